@@ -1,0 +1,186 @@
+//! Host tensors: typed bytes in host memory, the currency between backends and the caller.
+
+use crate::error::{Error, Result};
+use crate::ir::{DType, TensorType};
+
+/// A dense row-major tensor in host memory (little-endian bytes).
+#[derive(Clone, PartialEq)]
+pub struct HostTensor {
+    ty: TensorType,
+    data: Vec<u8>,
+}
+
+/// Rust element types that map to a [`DType`].
+pub trait Element: Copy + 'static {
+    /// The matching dtype.
+    const DTYPE: DType;
+    /// Appends the little-endian bytes of `self`.
+    fn put(self, out: &mut Vec<u8>);
+    /// Reads one element from little-endian bytes.
+    fn get(b: &[u8]) -> Self;
+}
+
+macro_rules! element {
+    ($t:ty, $d:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            fn put(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn get(b: &[u8]) -> Self {
+                let mut a = [0u8; std::mem::size_of::<$t>()];
+                a.copy_from_slice(b);
+                <$t>::from_le_bytes(a)
+            }
+        }
+    };
+}
+element!(f32, DType::F32);
+element!(f64, DType::F64);
+element!(i32, DType::I32);
+element!(i64, DType::I64);
+element!(u32, DType::U32);
+
+impl Element for bool {
+    const DTYPE: DType = DType::Bool;
+    fn put(self, out: &mut Vec<u8>) {
+        out.push(self as u8);
+    }
+    fn get(b: &[u8]) -> Self {
+        b[0] != 0
+    }
+}
+
+impl HostTensor {
+    /// A tensor from raw bytes, checked against the type's size.
+    pub fn from_bytes(ty: TensorType, data: Vec<u8>) -> Result<Self> {
+        if data.len() != ty.size_in_bytes() {
+            return Err(Error::Invalid(format!(
+                "host tensor {ty} needs {} bytes, got {}",
+                ty.size_in_bytes(),
+                data.len()
+            )));
+        }
+        Ok(HostTensor { ty, data })
+    }
+
+    /// A tensor from elements and a shape.
+    pub fn from_slice<T: Element>(shape: &[usize], values: &[T]) -> Result<Self> {
+        let ty = TensorType::new(T::DTYPE, shape);
+        if values.len() != ty.shape.numel() {
+            return Err(Error::Invalid(format!(
+                "{} values for shape {}",
+                values.len(),
+                ty.shape
+            )));
+        }
+        let mut data = Vec::with_capacity(ty.size_in_bytes());
+        for &v in values {
+            v.put(&mut data);
+        }
+        Ok(HostTensor { ty, data })
+    }
+
+    /// The elements, if `T` matches the dtype.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.ty.dtype {
+            return Err(Error::Invalid(format!(
+                "host tensor is {}, asked for {}",
+                self.ty.dtype,
+                T::DTYPE
+            )));
+        }
+        let s = self.ty.dtype.size_in_bytes();
+        Ok(self.data.chunks_exact(s).map(T::get).collect())
+    }
+
+    /// The elements converted to `f64` (any dtype).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        let s = self.ty.dtype.size_in_bytes();
+        self.data
+            .chunks_exact(s)
+            .map(|b| match self.ty.dtype {
+                DType::Bool => (b[0] != 0) as u8 as f64,
+                DType::U32 => u32::get(b) as f64,
+                DType::I32 => i32::get(b) as f64,
+                DType::I64 => i64::get(b) as f64,
+                DType::F32 => f32::get(b) as f64,
+                DType::F64 => f64::get(b),
+            })
+            .collect()
+    }
+
+    /// The type.
+    pub fn ty(&self) -> &TensorType {
+        &self.ty
+    }
+
+    /// The raw bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// Consumes the tensor, returning its bytes.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.data
+    }
+
+    /// Converts to a tch tensor on the CPU. `U32` becomes `Int64` holding the same values
+    /// (libtorch's unsigned 32-bit support is partial), see [`crate::backend::eager`].
+    pub fn to_tch(&self) -> Result<tch::Tensor> {
+        let dims = self.ty.shape.to_i64();
+        let t = match self.ty.dtype {
+            DType::U32 => {
+                let v: Vec<i64> = self.to_vec::<u32>()?.into_iter().map(i64::from).collect();
+                tch::Tensor::f_from_slice(&v)?.f_reshape(&dims)?
+            }
+            d => {
+                tch::Tensor::f_from_data_size(&self.data, &dims, crate::backend::eager::kind_of(d))?
+            }
+        };
+        Ok(t)
+    }
+
+    /// Converts a tch tensor holding values of `dtype` (for `U32`: an `Int64` tensor) to a host
+    /// tensor. The tensor is moved to the CPU and made contiguous first.
+    pub fn from_tch(t: &tch::Tensor, dtype: DType) -> Result<Self> {
+        let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
+        let ty = TensorType::new(dtype, shape);
+        let want = crate::backend::eager::kind_of(dtype);
+        let t = t
+            .f_to_device(tch::Device::Cpu)?
+            .f_to_kind(want)?
+            .f_contiguous()?;
+        let numel = ty.shape.numel();
+        match dtype {
+            DType::U32 => {
+                let mut v = vec![0i64; numel];
+                t.f_copy_data(&mut v, numel)?;
+                let mut data = Vec::with_capacity(numel * 4);
+                for x in v {
+                    (x as u32).put(&mut data);
+                }
+                Ok(HostTensor { ty, data })
+            }
+            _ => {
+                let mut data = vec![0u8; ty.size_in_bytes()];
+                t.f_copy_data_u8(&mut data, numel)?;
+                Ok(HostTensor { ty, data })
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for HostTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let v = self.to_f64_vec();
+        let shown: Vec<String> = v.iter().take(8).map(|x| format!("{x:.4}")).collect();
+        write!(
+            f,
+            "HostTensor({}, [{}{}])",
+            self.ty,
+            shown.join(", "),
+            if v.len() > 8 { ", ..." } else { "" }
+        )
+    }
+}

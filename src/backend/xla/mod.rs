@@ -1,0 +1,276 @@
+//! The XLA backend: lowers graphs to StableHLO text and compiles them with a PJRT plugin.
+//!
+//! The plugin is a shared library exporting `GetPjrtApi` (PJRT C API). It is found, in order,
+//! from: the path given to [`XlaBackend::from_plugin`], the `KILN_PJRT_PLUGIN` environment
+//! variable, and the CPU plugin that `scripts/bootstrap.sh` installed into the checkout (baked in
+//! at build time through `.cargo/config.toml`). Any plugin with the same C API works, including
+//! GPU ones; nothing here assumes a CPU.
+
+pub mod lower;
+pub mod pjrt;
+
+use crate::backend::{Backend, HostTensor};
+use crate::error::{Error, Result};
+use crate::ir::{DType, Graph, TensorType};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The plugin path kiln uses when none is given explicitly.
+///
+/// `KILN_PJRT_PLUGIN` if set, else the plugin installed by the bootstrap (if this crate was built
+/// inside a bootstrapped checkout).
+pub fn default_plugin_path() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("KILN_PJRT_PLUGIN") {
+        return Ok(PathBuf::from(p));
+    }
+    match option_env!("KILN_DEFAULT_PJRT_PLUGIN") {
+        Some(p) => Ok(PathBuf::from(p)),
+        None => Err(Error::Plugin {
+            path: PathBuf::new(),
+            message: "no PJRT plugin configured: set KILN_PJRT_PLUGIN to a plugin .so \
+                      (e.g. xla_cpu_pjrt.so from the xla-cpu-pjrt wheel) or run scripts/bootstrap.sh"
+                .into(),
+        }),
+    }
+}
+
+fn element_type(d: DType) -> pjrt::ElementType {
+    match d {
+        DType::Bool => pjrt::ElementType::Pred,
+        DType::U32 => pjrt::ElementType::U32,
+        DType::I32 => pjrt::ElementType::S32,
+        DType::I64 => pjrt::ElementType::S64,
+        DType::F32 => pjrt::ElementType::F32,
+        DType::F64 => pjrt::ElementType::F64,
+    }
+}
+
+/// A buffer on the PJRT device, with its kiln type.
+pub struct XlaBuffer {
+    buffer: pjrt::Buffer,
+    ty: TensorType,
+}
+
+impl XlaBuffer {
+    /// The PJRT buffer.
+    pub fn raw(&self) -> &pjrt::Buffer {
+        &self.buffer
+    }
+
+    /// Has PJRT deleted this buffer (because it was donated to an execution)?
+    pub fn is_deleted(&self) -> Result<bool> {
+        self.buffer.is_deleted()
+    }
+}
+
+/// A compiled graph.
+pub struct XlaExecutable {
+    exe: pjrt::LoadedExecutable,
+    inputs: Vec<(String, TensorType)>,
+    outputs: Vec<TensorType>,
+    mlir: String,
+}
+
+impl XlaExecutable {
+    /// The StableHLO text this executable was compiled from.
+    pub fn mlir(&self) -> &str {
+        &self.mlir
+    }
+
+    /// The PJRT executable.
+    pub fn raw(&self) -> &pjrt::LoadedExecutable {
+        &self.exe
+    }
+}
+
+/// The XLA backend over one PJRT client (device 0). Cheap to clone; thread-safe.
+#[derive(Clone)]
+pub struct XlaBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: pjrt::Client,
+    plugin: PathBuf,
+    platform: String,
+    platform_version: String,
+    api_version: (i32, i32),
+    options: Vec<u8>,
+}
+
+impl XlaBackend {
+    /// The backend on the default plugin (see [`default_plugin_path`]).
+    pub fn new() -> Result<Self> {
+        Self::from_plugin(default_plugin_path()?)
+    }
+
+    /// The backend on the plugin at `path`.
+    pub fn from_plugin(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let api = pjrt::Api::load(path)?;
+        let client = pjrt::Client::new(&api)?;
+        let platform = client.platform_name()?;
+        let platform_version = client.platform_version()?;
+        Ok(XlaBackend {
+            inner: Arc::new(Inner {
+                client,
+                plugin: path.to_path_buf(),
+                platform,
+                platform_version,
+                api_version: api.version(),
+                options: pjrt::compile_options_bytes(),
+            }),
+        })
+    }
+
+    /// The platform name reported by the plugin (`"cpu"`, `"cuda"`, ...).
+    pub fn platform(&self) -> &str {
+        &self.inner.platform
+    }
+
+    /// The plugin's PJRT C API version.
+    pub fn api_version(&self) -> (i32, i32) {
+        self.inner.api_version
+    }
+
+    /// The plugin path.
+    pub fn plugin_path(&self) -> &Path {
+        &self.inner.plugin
+    }
+
+    /// The PJRT client.
+    pub fn client(&self) -> &pjrt::Client {
+        &self.inner.client
+    }
+
+    /// Compiles StableHLO text directly (for tools and tests; [`Backend::compile`] lowers a
+    /// graph first).
+    pub fn compile_mlir(&self, mlir: &str) -> Result<pjrt::LoadedExecutable> {
+        self.inner.client.compile(mlir, &self.inner.options)
+    }
+
+    /// Serializes a compiled executable (for on-disk caches).
+    pub fn serialize(&self, exe: &XlaExecutable) -> Result<Vec<u8>> {
+        exe.exe.serialize()
+    }
+
+    /// Loads an executable serialized by [`XlaBackend::serialize`] for a graph with the same
+    /// signature as `graph`.
+    pub fn deserialize(&self, graph: &Graph, bytes: &[u8]) -> Result<XlaExecutable> {
+        let exe = self.inner.client.deserialize_executable(bytes)?;
+        let n = exe.num_outputs()?;
+        if n != graph.outputs().len() {
+            return Err(Error::Invalid(format!(
+                "deserialized executable has {n} outputs, graph has {}",
+                graph.outputs().len()
+            )));
+        }
+        Ok(XlaExecutable {
+            exe,
+            inputs: graph
+                .inputs()
+                .iter()
+                .map(|i| (i.name.clone(), i.ty.clone()))
+                .collect(),
+            outputs: graph.output_types(),
+            mlir: String::new(),
+        })
+    }
+}
+
+impl Backend for XlaBackend {
+    type Buffer = XlaBuffer;
+    type Executable = XlaExecutable;
+
+    fn name(&self) -> &str {
+        "xla"
+    }
+
+    fn compile(&self, graph: &Graph) -> Result<XlaExecutable> {
+        graph.verify()?;
+        let mlir = lower::lower(graph)?;
+        let exe = self.compile_mlir(&mlir)?;
+        Ok(XlaExecutable {
+            exe,
+            inputs: graph
+                .inputs()
+                .iter()
+                .map(|i| (i.name.clone(), i.ty.clone()))
+                .collect(),
+            outputs: graph.output_types(),
+            mlir,
+        })
+    }
+
+    fn execute(&self, exe: &XlaExecutable, inputs: &[&XlaBuffer]) -> Result<Vec<XlaBuffer>> {
+        if inputs.len() != exe.inputs.len() {
+            return Err(Error::Invalid(format!(
+                "executable has {} inputs, got {}",
+                exe.inputs.len(),
+                inputs.len()
+            )));
+        }
+        for (i, (b, (name, ty))) in inputs.iter().zip(&exe.inputs).enumerate() {
+            if &b.ty != ty {
+                return Err(Error::InputMismatch {
+                    index: i,
+                    name: name.clone(),
+                    expected: ty.to_string(),
+                    got: b.ty.to_string(),
+                });
+            }
+        }
+        let raw: Vec<&pjrt::Buffer> = inputs.iter().map(|b| &b.buffer).collect();
+        let outs = exe.exe.execute(&raw)?;
+        if outs.len() != exe.outputs.len() {
+            return Err(Error::Invalid(format!(
+                "executable returned {} outputs, expected {}",
+                outs.len(),
+                exe.outputs.len()
+            )));
+        }
+        Ok(outs
+            .into_iter()
+            .zip(&exe.outputs)
+            .map(|(buffer, ty)| XlaBuffer {
+                buffer,
+                ty: ty.clone(),
+            })
+            .collect())
+    }
+
+    fn to_device(&self, t: &HostTensor) -> Result<XlaBuffer> {
+        let ty = t.ty().clone();
+        let dims: Vec<i64> = ty.shape.to_i64();
+        let buffer =
+            self.inner
+                .client
+                .buffer_from_host(t.bytes(), element_type(ty.dtype), &dims, 0)?;
+        Ok(XlaBuffer { buffer, ty })
+    }
+
+    fn to_host(&self, b: &XlaBuffer) -> Result<HostTensor> {
+        let mut data = vec![0u8; b.ty.size_in_bytes()];
+        b.buffer.to_host(&mut data)?;
+        HostTensor::from_bytes(b.ty.clone(), data)
+    }
+
+    fn buffer_type(&self, b: &XlaBuffer) -> Result<TensorType> {
+        Ok(b.ty.clone())
+    }
+
+    fn sync(&self, b: &XlaBuffer) -> Result<()> {
+        b.buffer.ready()
+    }
+
+    fn cache_key(&self) -> String {
+        format!(
+            "xla/{}/{}/pjrt{}.{}/opts{:02x?}",
+            self.inner.platform,
+            self.inner.platform_version,
+            self.inner.api_version.0,
+            self.inner.api_version.1,
+            self.inner.options
+        )
+    }
+}

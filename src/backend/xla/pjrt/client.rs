@@ -1,0 +1,274 @@
+//! `PJRT_Client`: compiling programs and creating device buffers.
+
+use std::ffi::c_char;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use super::api::{copy_string, Api, ApiInner, Event};
+use super::buffer::{Buffer, ElementType};
+use super::executable::LoadedExecutable;
+use super::sys::{self, Args};
+use crate::error::{Error, Result};
+
+/// A PJRT client: one runtime instance of a plugin, owning its devices.
+///
+/// Cheap to clone (an `Arc`); buffers and executables created by a client keep it alive, so
+/// the underlying `PJRT_Client` is destroyed only after the last of them is dropped.
+///
+/// `Client` is `Send + Sync`: the PJRT C API requires a client's methods to be thread-safe
+/// (they wrap `xla::PjRtClient`, which is), so compiling, uploading and executing may happen
+/// from several threads at once.
+#[derive(Clone)]
+pub struct Client {
+    pub(crate) inner: Arc<ClientInner>,
+}
+
+/// What a [`Client`] shares with its clones, buffers and executables.
+pub(crate) struct ClientInner {
+    pub(crate) api: Api,
+    pub(crate) raw: NonNull<sys::PJRT_Client>,
+    /// Addressable devices, owned by the client and valid for its lifetime.
+    devices: Vec<NonNull<sys::PJRT_Device>>,
+}
+
+// SAFETY: a `PJRT_Client` is not tied to the thread that created it, and the PJRT C API
+// requires client methods (compile, buffer creation, queries) to be thread-safe, as
+// `xla::PjRtClient` is; the device handles are immutable objects owned by the client.
+unsafe impl Send for ClientInner {}
+// SAFETY: see `Send`: every method only passes the handles to thread-safe PJRT calls.
+unsafe impl Sync for ClientInner {}
+
+impl ClientInner {
+    #[inline]
+    pub(crate) fn api(&self) -> &ApiInner {
+        self.api.inner()
+    }
+}
+
+impl Drop for ClientInner {
+    fn drop(&mut self) {
+        let api = self.api.inner();
+        let mut args = sys::PJRT_Client_Destroy_Args::new();
+        args.client = self.raw.as_ptr();
+        // SAFETY: the client is owned by this wrapper and destroyed exactly once, here; every
+        // buffer and executable holds an `Arc<ClientInner>`, so none outlives it.
+        let err = unsafe { (api.fns.PJRT_Client_Destroy)(&mut args) };
+        api.ignore_error("PJRT_Client_Destroy", err);
+    }
+}
+
+impl Client {
+    /// Creates a client of the plugin with default options.
+    ///
+    /// # Errors
+    /// [`Error::Pjrt`] if the plugin cannot create a client (e.g. no device).
+    pub fn new(api: &Api) -> Result<Client> {
+        let a = api.inner();
+        let mut args = sys::PJRT_Client_Create_Args::new();
+        // SAFETY: `args` is a valid args struct with no options and no key-value callbacks.
+        let err = unsafe { (a.fns.PJRT_Client_Create)(&mut args) };
+        a.check("PJRT_Client_Create", err)?;
+        let raw = NonNull::new(args.client).ok_or_else(|| Error::Pjrt {
+            call: "PJRT_Client_Create",
+            code: "INTERNAL".into(),
+            message: "the plugin returned no client".into(),
+        })?;
+        // Owned from here on: an error below destroys it.
+        let mut inner = ClientInner {
+            api: api.clone(),
+            raw,
+            devices: Vec::new(),
+        };
+
+        let mut args = sys::PJRT_Client_AddressableDevices_Args::new();
+        args.client = raw.as_ptr();
+        // SAFETY: `raw` is a live client; `args` is a valid args struct.
+        let err = unsafe { (a.fns.PJRT_Client_AddressableDevices)(&mut args) };
+        a.check("PJRT_Client_AddressableDevices", err)?;
+        if args.num_addressable_devices > 0 && !args.addressable_devices.is_null() {
+            // SAFETY: the plugin returned an array of `num_addressable_devices` device pointers
+            // owned by the client; it is copied here.
+            let devices = unsafe {
+                std::slice::from_raw_parts(args.addressable_devices, args.num_addressable_devices)
+            };
+            inner.devices = devices.iter().filter_map(|&d| NonNull::new(d)).collect();
+        }
+        Ok(Client {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// The [`Api`] this client was created from.
+    pub fn api(&self) -> &Api {
+        &self.inner.api
+    }
+
+    /// The platform name, e.g. `"cpu"`, `"cuda"`.
+    ///
+    /// # Errors
+    /// [`Error::Pjrt`] if the plugin fails the query.
+    pub fn platform_name(&self) -> Result<String> {
+        let api = self.inner.api();
+        let mut args = sys::PJRT_Client_PlatformName_Args::new();
+        args.client = self.inner.raw.as_ptr();
+        // SAFETY: live client, valid args struct.
+        let err = unsafe { (api.fns.PJRT_Client_PlatformName)(&mut args) };
+        api.check("PJRT_Client_PlatformName", err)?;
+        // SAFETY: the plugin returned `platform_name_size` bytes owned by the live client.
+        Ok(unsafe { copy_string(args.platform_name, args.platform_name_size) })
+    }
+
+    /// A platform-specific version string (e.g. the CUDA version); may be empty.
+    ///
+    /// # Errors
+    /// [`Error::Pjrt`] if the plugin fails the query.
+    pub fn platform_version(&self) -> Result<String> {
+        let api = self.inner.api();
+        let mut args = sys::PJRT_Client_PlatformVersion_Args::new();
+        args.client = self.inner.raw.as_ptr();
+        // SAFETY: live client, valid args struct.
+        let err = unsafe { (api.fns.PJRT_Client_PlatformVersion)(&mut args) };
+        api.check("PJRT_Client_PlatformVersion", err)?;
+        // SAFETY: the plugin returned `platform_version_size` bytes owned by the live client.
+        Ok(unsafe { copy_string(args.platform_version, args.platform_version_size) })
+    }
+
+    /// The number of devices this client can run on and place buffers on.
+    pub fn addressable_device_count(&self) -> usize {
+        self.inner.devices.len()
+    }
+
+    /// Compiles a StableHLO (MLIR) module given as text (or MLIR bytecode) with serialized
+    /// `CompileOptionsProto` bytes (see [`compile_options_bytes`](super::compile_options_bytes)).
+    ///
+    /// # Errors
+    /// [`Error::Pjrt`] with the plugin's message (e.g. the MLIR parse error) if the module
+    /// does not parse, verify or compile.
+    pub fn compile(&self, mlir_text: &str, compile_options: &[u8]) -> Result<LoadedExecutable> {
+        let api = self.inner.api();
+        const FORMAT: &str = "mlir";
+        let mut program = sys::PJRT_Program::new();
+        // The C API declares `code` as `char*` because other calls write it; compile only
+        // reads it.
+        program.code = mlir_text.as_ptr().cast::<c_char>().cast_mut();
+        program.code_size = mlir_text.len();
+        program.format = FORMAT.as_ptr().cast::<c_char>();
+        program.format_size = FORMAT.len();
+        let mut args = sys::PJRT_Client_Compile_Args::new();
+        args.client = self.inner.raw.as_ptr();
+        args.program = &program;
+        args.compile_options = compile_options.as_ptr().cast::<c_char>();
+        args.compile_options_size = compile_options.len();
+        // SAFETY: live client; `program`, the code, the format and the options all outlive
+        // the call (the plugin copies what it keeps).
+        let err = unsafe { (api.fns.PJRT_Client_Compile)(&mut args) };
+        api.check("PJRT_Client_Compile", err)?;
+        LoadedExecutable::from_raw(&self.inner, args.executable, "PJRT_Client_Compile")
+    }
+
+    /// Loads an executable serialized by [`LoadedExecutable::serialize`] (same plugin and
+    /// version only).
+    ///
+    /// # Errors
+    /// [`Error::Pjrt`] if the bytes are not a serialized executable of this plugin.
+    pub fn deserialize_executable(&self, bytes: &[u8]) -> Result<LoadedExecutable> {
+        let api = self.inner.api();
+        let mut args = sys::PJRT_Executable_DeserializeAndLoad_Args::new();
+        args.client = self.inner.raw.as_ptr();
+        args.serialized_executable = bytes.as_ptr().cast::<c_char>();
+        args.serialized_executable_size = bytes.len();
+        // SAFETY: live client; `bytes` outlives the call; no overriding compile options.
+        let err = unsafe { (api.fns.PJRT_Executable_DeserializeAndLoad)(&mut args) };
+        api.check("PJRT_Executable_DeserializeAndLoad", err)?;
+        LoadedExecutable::from_raw(
+            &self.inner,
+            args.loaded_executable,
+            "PJRT_Executable_DeserializeAndLoad",
+        )
+    }
+
+    /// Copies a dense, row-major host array to a new buffer on addressable device `device`.
+    ///
+    /// Blocks until the plugin is done reading `data` (`done_with_host_buffer`), so `data`
+    /// may be changed or freed as soon as this returns; the device copy itself may still be
+    /// in flight (later uses of the buffer wait for it).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] if a dimension is negative, `data.len()` is not
+    /// `product(dims) * ty.byte_size()` or `device` is out of range; [`Error::Pjrt`] if the
+    /// transfer fails.
+    pub fn buffer_from_host(
+        &self,
+        data: &[u8],
+        ty: ElementType,
+        dims: &[i64],
+        device: usize,
+    ) -> Result<Buffer> {
+        let expected = host_byte_size(ty, dims)?;
+        if data.len() != expected {
+            return Err(Error::Invalid(format!(
+                "buffer_from_host: {} bytes given for {ty}{dims:?}, which needs {expected}",
+                data.len()
+            )));
+        }
+        let device_ptr = *self.inner.devices.get(device).ok_or_else(|| {
+            Error::Invalid(format!(
+                "buffer_from_host: device {device} out of range (the client has {} addressable devices)",
+                self.inner.devices.len()
+            ))
+        })?;
+
+        let api = self.inner.api();
+        let mut args = sys::PJRT_Client_BufferFromHostBuffer_Args::new();
+        args.client = self.inner.raw.as_ptr();
+        args.data = data.as_ptr().cast();
+        args.type_ = ty.to_pjrt();
+        args.dims = dims.as_ptr();
+        args.num_dims = dims.len();
+        args.host_buffer_semantics = sys::PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes;
+        args.device = device_ptr.as_ptr();
+        // SAFETY: live client and device; `data` holds exactly the dense array described by
+        // `ty` and `dims` (checked above) and is neither mutated nor freed before
+        // `done_with_host_buffer` fires, which is awaited below while `data` is still borrowed.
+        let err = unsafe { (api.fns.PJRT_Client_BufferFromHostBuffer)(&mut args) };
+        // Take ownership of both outputs before looking at the error, so nothing leaks.
+        let done = Event::new(api, args.done_with_host_buffer);
+        let buffer = NonNull::new(args.buffer).map(|raw| Buffer::from_raw(&self.inner, raw));
+        let status = api.check("PJRT_Client_BufferFromHostBuffer", err);
+        // Even on error, wait until the plugin has let go of `data` before returning.
+        let waited = match done {
+            Some(done) => done.wait("PJRT_Client_BufferFromHostBuffer"),
+            None => Ok(()),
+        };
+        status?;
+        waited?;
+        buffer.ok_or_else(|| Error::Pjrt {
+            call: "PJRT_Client_BufferFromHostBuffer",
+            code: "INTERNAL".into(),
+            message: "the plugin returned no buffer".into(),
+        })
+    }
+}
+
+impl fmt::Debug for Client {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Client")
+            .field("api", &self.inner.api)
+            .field("addressable_devices", &self.inner.devices.len())
+            .finish()
+    }
+}
+
+/// `product(dims) * ty.byte_size()`, checked for negative dimensions and overflow.
+pub(crate) fn host_byte_size(ty: ElementType, dims: &[i64]) -> Result<usize> {
+    let mut n = ty.byte_size();
+    for &d in dims {
+        let d = usize::try_from(d)
+            .map_err(|_| Error::Invalid(format!("negative dimension in shape {dims:?}")))?;
+        n = n
+            .checked_mul(d)
+            .ok_or_else(|| Error::Invalid(format!("shape {dims:?} of {ty} is too large")))?;
+    }
+    Ok(n)
+}

@@ -1,0 +1,209 @@
+//! `PJRT_LoadedExecutable`: a compiled program loaded on a client's devices.
+
+use std::fmt;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+
+use super::api::ApiInner;
+use super::buffer::Buffer;
+use super::client::ClientInner;
+use super::sys::{self, Args};
+use crate::error::{Error, Result};
+
+/// A compiled program, ready to run (`PJRT_LoadedExecutable_Destroy` on drop).
+pub struct LoadedExecutable {
+    client: Arc<ClientInner>,
+    raw: NonNull<sys::PJRT_LoadedExecutable>,
+    num_outputs: usize,
+}
+
+// SAFETY: a `PJRT_LoadedExecutable` is not tied to a thread, and `xla::PjRtLoadedExecutable`
+// (which the C API wraps) supports concurrent `Execute` calls from several threads.
+unsafe impl Send for LoadedExecutable {}
+// SAFETY: see `Send`; `&LoadedExecutable` only allows thread-safe PJRT calls.
+unsafe impl Sync for LoadedExecutable {}
+
+/// A `PJRT_Executable` obtained from a loaded executable, destroyed on drop.
+struct ExecutableRef<'a> {
+    api: &'a ApiInner,
+    raw: NonNull<sys::PJRT_Executable>,
+}
+
+impl Drop for ExecutableRef<'_> {
+    fn drop(&mut self) {
+        let mut args = sys::PJRT_Executable_Destroy_Args::new();
+        args.executable = self.raw.as_ptr();
+        // SAFETY: PJRT_LoadedExecutable_GetExecutable returns a new handle that the caller
+        // must free; it is owned by this guard and destroyed exactly once, here.
+        let err = unsafe { (self.api.fns.PJRT_Executable_Destroy)(&mut args) };
+        self.api.ignore_error("PJRT_Executable_Destroy", err);
+    }
+}
+
+impl LoadedExecutable {
+    /// Takes ownership of an executable returned by `call` and reads its output count.
+    pub(crate) fn from_raw(
+        client: &Arc<ClientInner>,
+        raw: *mut sys::PJRT_LoadedExecutable,
+        call: &'static str,
+    ) -> Result<LoadedExecutable> {
+        let raw = NonNull::new(raw).ok_or_else(|| Error::Pjrt {
+            call,
+            code: "INTERNAL".into(),
+            message: "the plugin returned no executable".into(),
+        })?;
+        // Owned from here on: an error below destroys it.
+        let mut exe = LoadedExecutable {
+            client: Arc::clone(client),
+            raw,
+            num_outputs: 0,
+        };
+        let inner = exe.executable()?;
+        let mut args = sys::PJRT_Executable_NumOutputs_Args::new();
+        args.executable = inner.raw.as_ptr();
+        // SAFETY: live executable handle, valid args struct.
+        let err = unsafe { (inner.api.fns.PJRT_Executable_NumOutputs)(&mut args) };
+        inner.api.check("PJRT_Executable_NumOutputs", err)?;
+        drop(inner);
+        exe.num_outputs = args.num_outputs;
+        Ok(exe)
+    }
+
+    fn executable(&self) -> Result<ExecutableRef<'_>> {
+        let api = self.client.api();
+        let mut args = sys::PJRT_LoadedExecutable_GetExecutable_Args::new();
+        args.loaded_executable = self.raw.as_ptr();
+        // SAFETY: live loaded executable, valid args struct.
+        let err = unsafe { (api.fns.PJRT_LoadedExecutable_GetExecutable)(&mut args) };
+        api.check("PJRT_LoadedExecutable_GetExecutable", err)?;
+        let raw = NonNull::new(args.executable).ok_or_else(|| Error::Pjrt {
+            call: "PJRT_LoadedExecutable_GetExecutable",
+            code: "INTERNAL".into(),
+            message: "the plugin returned no executable".into(),
+        })?;
+        Ok(ExecutableRef { api, raw })
+    }
+
+    /// The number of outputs per execution (the entry function's results, flattened).
+    ///
+    /// Read once when the executable is created (`PJRT_Executable_NumOutputs`).
+    ///
+    /// # Errors
+    /// Never fails today; kept fallible for plugins that answer lazily.
+    pub fn num_outputs(&self) -> Result<usize> {
+        Ok(self.num_outputs)
+    }
+
+    /// Runs the executable once on its device (device 0 for a single-replica compile).
+    ///
+    /// Returns as soon as the work is enqueued: the outputs may still be being computed
+    /// (see [`Buffer::ready`]). Inputs that the module donates (`tf.aliasing_output`) are
+    /// deleted by PJRT; their [`Buffer`]s remain valid to drop and report
+    /// [`Buffer::is_deleted`]. Input buffers may be dropped right after this returns: PJRT
+    /// frees their storage only once the executions using them are done.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] if an argument belongs to another client; [`Error::Pjrt`] if the
+    /// plugin rejects the arguments (count, types, deleted buffers) or the launch fails.
+    pub fn execute(&self, args: &[&Buffer]) -> Result<Vec<Buffer>> {
+        let mut arg_ptrs = Vec::with_capacity(args.len());
+        for (i, b) in args.iter().enumerate() {
+            if !Arc::ptr_eq(b.client(), &self.client) {
+                return Err(Error::Invalid(format!(
+                    "execute: argument {i} is a buffer of another PJRT client"
+                )));
+            }
+            arg_ptrs.push(b.raw());
+        }
+        let arg_lists: [*const *mut sys::PJRT_Buffer; 1] = [arg_ptrs.as_ptr()];
+        let mut outputs: Vec<*mut sys::PJRT_Buffer> = vec![ptr::null_mut(); self.num_outputs];
+        let output_lists: [*mut *mut sys::PJRT_Buffer; 1] = [outputs.as_mut_ptr()];
+
+        let api = self.client.api();
+        let mut options = sys::PJRT_ExecuteOptions::new();
+        let mut exec = sys::PJRT_LoadedExecutable_Execute_Args::new();
+        exec.executable = self.raw.as_ptr();
+        exec.options = &mut options;
+        exec.argument_lists = arg_lists.as_ptr();
+        exec.num_devices = 1;
+        exec.num_args = arg_ptrs.len();
+        exec.output_lists = output_lists.as_ptr();
+        // SAFETY: live executable; the argument list holds `num_args` live buffers of this
+        // client (borrowed for the call); the output list has room for the executable's
+        // `num_outputs` buffers per device, for one device; `options` outlives the call.
+        let err = unsafe { (api.fns.PJRT_LoadedExecutable_Execute)(&mut exec) };
+        // Take ownership of whatever outputs were written before looking at the error.
+        let mut result = Vec::with_capacity(outputs.len());
+        let mut missing = 0;
+        for &p in &outputs {
+            match NonNull::new(p) {
+                Some(p) => result.push(Buffer::from_raw(&self.client, p)),
+                None => missing += 1,
+            }
+        }
+        api.check("PJRT_LoadedExecutable_Execute", err)?;
+        if missing > 0 {
+            return Err(Error::Pjrt {
+                call: "PJRT_LoadedExecutable_Execute",
+                code: "INTERNAL".into(),
+                message: format!("the plugin returned {missing} null output buffers"),
+            });
+        }
+        Ok(result)
+    }
+
+    /// Serializes the compiled executable (`PJRT_Executable_Serialize`), for
+    /// [`Client::deserialize_executable`](super::Client::deserialize_executable) with the
+    /// same plugin and version.
+    ///
+    /// # Errors
+    /// [`Error::Pjrt`] if the plugin cannot serialize the executable.
+    pub fn serialize(&self) -> Result<Vec<u8>> {
+        let inner = self.executable()?;
+        let api = inner.api;
+        let mut args = sys::PJRT_Executable_Serialize_Args::new();
+        args.executable = inner.raw.as_ptr();
+        // SAFETY: live executable handle, valid args struct.
+        let err = unsafe { (api.fns.PJRT_Executable_Serialize)(&mut args) };
+        api.check("PJRT_Executable_Serialize", err)?;
+        let bytes = if args.serialized_bytes.is_null() || args.serialized_bytes_size == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: the plugin returned `serialized_bytes_size` bytes that live until the
+            // deleter is called on `serialized_executable`, which happens after this copy.
+            unsafe {
+                std::slice::from_raw_parts(
+                    args.serialized_bytes.cast::<u8>(),
+                    args.serialized_bytes_size,
+                )
+            }
+            .to_vec()
+        };
+        if let Some(deleter) = args.serialized_executable_deleter {
+            // SAFETY: the deleter and its argument come from the same successful call and
+            // are called exactly once, after the bytes were copied out.
+            unsafe { deleter(args.serialized_executable) };
+        }
+        Ok(bytes)
+    }
+}
+
+impl Drop for LoadedExecutable {
+    fn drop(&mut self) {
+        let api = self.client.api();
+        let mut args = sys::PJRT_LoadedExecutable_Destroy_Args::new();
+        args.executable = self.raw.as_ptr();
+        // SAFETY: the executable is owned by this wrapper and destroyed exactly once, here;
+        // its client is kept alive by `self.client` until after this call.
+        let err = unsafe { (api.fns.PJRT_LoadedExecutable_Destroy)(&mut args) };
+        api.ignore_error("PJRT_LoadedExecutable_Destroy", err);
+    }
+}
+
+impl fmt::Debug for LoadedExecutable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoadedExecutable")
+            .field("num_outputs", &self.num_outputs)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,387 @@
+//! The graph: typed nodes in a petgraph `StableDiGraph`, ordered inputs and outputs.
+
+use super::{Op, TensorType};
+use crate::error::{Error, Result};
+use petgraph::stable_graph::{NodeIndex, StableDiGraph};
+use petgraph::visit::EdgeRef;
+use petgraph::Direction;
+use smallvec::SmallVec;
+
+/// Identifies a node (and its value) in a [`Graph`].
+pub type NodeId = NodeIndex<u32>;
+
+/// One operation and the value it produces.
+#[derive(Clone, Debug)]
+pub struct Node {
+    /// The operation.
+    pub op: Op,
+    /// The type of the produced value.
+    pub ty: TensorType,
+    /// Operands, in order. Mirrored by the graph's edges (edge weight = operand position).
+    pub operands: SmallVec<[NodeId; 3]>,
+}
+
+/// What a graph input is bound to when the graph runs.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum InputKind {
+    /// A value the caller passes on every call (a batch).
+    Data,
+    /// A trainable parameter (lifted from a [`crate::nn::ParamStore`]).
+    Parameter,
+    /// A non-trainable variable: a frozen parameter or a buffer such as BatchNorm's running mean.
+    Buffer,
+    /// Optimizer state (moments, momentum buffers).
+    OptimizerState,
+    /// A scalar hyper-parameter that may change between calls (learning rate, step count).
+    Scalar,
+    /// The random-number key, advanced by the runtime on every call.
+    RngKey,
+    /// A cotangent (gradient of a loss with respect to a forward output), for backward graphs.
+    Cotangent,
+    /// A value saved by a forward graph for its backward graph.
+    Saved,
+}
+
+/// A declared graph input.
+#[derive(Clone, Debug)]
+pub struct Input {
+    /// The `Input` node.
+    pub node: NodeId,
+    /// What the input is bound to.
+    pub kind: InputKind,
+    /// A readable name (parameter path, `x0`, ...). Not part of the fingerprint.
+    pub name: String,
+    /// Its type.
+    pub ty: TensorType,
+}
+
+/// A typed dataflow graph with ordered inputs and outputs.
+///
+/// Nodes are only added through [`Graph::add`], which infers and checks the result type, so
+/// every node in a graph is well typed. Node ids grow in insertion order, and a node's operands
+/// always exist before it, so insertion order is a topological order until a pass rewires uses.
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    g: StableDiGraph<Node, u8>,
+    inputs: Vec<Input>,
+    outputs: Vec<NodeId>,
+    /// `(input, output)` pairs whose buffers may be shared: the input is donated.
+    aliases: Vec<(usize, usize)>,
+}
+
+impl Graph {
+    /// An empty graph.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Declares a new input and returns its node.
+    pub fn add_input(
+        &mut self,
+        kind: InputKind,
+        name: impl Into<String>,
+        ty: TensorType,
+    ) -> NodeId {
+        let index = self.inputs.len();
+        let node = self.g.add_node(Node {
+            op: Op::Input(index),
+            ty: ty.clone(),
+            operands: SmallVec::new(),
+        });
+        self.inputs.push(Input {
+            node,
+            kind,
+            name: name.into(),
+            ty,
+        });
+        node
+    }
+
+    /// Adds `op` applied to `operands`, inferring its type. Fails with a type error naming the
+    /// op and the operand types.
+    pub fn add(&mut self, op: Op, operands: &[NodeId]) -> Result<NodeId> {
+        let mut types = SmallVec::<[&TensorType; 3]>::new();
+        for &o in operands {
+            let n = self.g.node_weight(o).ok_or_else(|| {
+                Error::Graph(format!("{}: operand {o:?} is not in the graph", op.name()))
+            })?;
+            types.push(&n.ty);
+        }
+        let ty = op.infer(&types)?;
+        drop(types);
+        Ok(self.add_typed(op, ty, operands))
+    }
+
+    /// Adds a node whose type is already known (used by passes that copy checked nodes).
+    pub(crate) fn add_typed(&mut self, op: Op, ty: TensorType, operands: &[NodeId]) -> NodeId {
+        let id = self.g.add_node(Node {
+            op,
+            ty,
+            operands: SmallVec::from_slice(operands),
+        });
+        for (i, &o) in operands.iter().enumerate() {
+            self.g.add_edge(o, id, i as u8);
+        }
+        id
+    }
+
+    /// Sets the ordered outputs.
+    pub fn set_outputs(&mut self, outputs: Vec<NodeId>) -> Result<()> {
+        for &o in &outputs {
+            if !self.g.contains_node(o) {
+                return Err(Error::Graph(format!("output {o:?} is not in the graph")));
+            }
+        }
+        self.outputs = outputs;
+        Ok(())
+    }
+
+    /// Declares that `input` may be donated to produce `output` (in-place update).
+    pub fn add_alias(&mut self, input: usize, output: usize) -> Result<()> {
+        let (Some(i), Some(&o)) = (self.inputs.get(input), self.outputs.get(output)) else {
+            return Err(Error::Graph(format!(
+                "alias ({input}, {output}) out of range"
+            )));
+        };
+        if i.ty != self.g[o].ty {
+            return Err(Error::Graph(format!(
+                "alias of input {input} ({}) to output {output} ({}) needs equal types",
+                i.ty, self.g[o].ty
+            )));
+        }
+        if self.aliases.iter().any(|&(a, b)| a == input || b == output) {
+            return Err(Error::Graph(format!(
+                "input {input} or output {output} is already aliased"
+            )));
+        }
+        self.aliases.push((input, output));
+        Ok(())
+    }
+
+    /// The `(input, output)` donation pairs.
+    pub fn aliases(&self) -> &[(usize, usize)] {
+        &self.aliases
+    }
+
+    /// Replaces the donation pairs (used by passes that renumber inputs or outputs).
+    pub(crate) fn set_aliases(&mut self, aliases: Vec<(usize, usize)>) {
+        self.aliases = aliases;
+    }
+
+    /// The declared inputs, in order.
+    pub fn inputs(&self) -> &[Input] {
+        &self.inputs
+    }
+
+    /// The outputs, in order.
+    pub fn outputs(&self) -> &[NodeId] {
+        &self.outputs
+    }
+
+    /// Types of the outputs, in order.
+    pub fn output_types(&self) -> Vec<TensorType> {
+        self.outputs.iter().map(|&o| self.g[o].ty.clone()).collect()
+    }
+
+    /// The node `id`.
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.g[id]
+    }
+
+    /// The node `id`, if it exists.
+    pub fn get(&self, id: NodeId) -> Option<&Node> {
+        self.g.node_weight(id)
+    }
+
+    /// Number of nodes.
+    pub fn len(&self) -> usize {
+        self.g.node_count()
+    }
+
+    /// No nodes?
+    pub fn is_empty(&self) -> bool {
+        self.g.node_count() == 0
+    }
+
+    /// The underlying petgraph graph (read-only), e.g. for petgraph's algorithms.
+    pub fn petgraph(&self) -> &StableDiGraph<Node, u8> {
+        &self.g
+    }
+
+    /// Nodes that use `id` as an operand (each user once).
+    pub fn users(&self, id: NodeId) -> Vec<NodeId> {
+        let mut u: Vec<NodeId> = self
+            .g
+            .edges_directed(id, Direction::Outgoing)
+            .map(|e| e.target())
+            .collect();
+        u.sort();
+        u.dedup();
+        u
+    }
+
+    /// All node ids in a deterministic topological order (operands before users; ties broken
+    /// by insertion order).
+    pub fn topo_order(&self) -> Vec<NodeId> {
+        // Kahn's algorithm with a min-heap on the index, so the order depends only on structure
+        // and insertion order, never on hash iteration.
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let bound = self
+            .g
+            .node_indices()
+            .map(|i| i.index() + 1)
+            .max()
+            .unwrap_or(0);
+        let mut indeg: Vec<usize> = vec![0; bound];
+        for id in self.g.node_indices() {
+            indeg[id.index()] = self.g[id].operands.len();
+        }
+        let mut ready: BinaryHeap<Reverse<u32>> = self
+            .g
+            .node_indices()
+            .filter(|id| indeg[id.index()] == 0)
+            .map(|id| Reverse(id.index() as u32))
+            .collect();
+        let mut order = Vec::with_capacity(self.g.node_count());
+        while let Some(Reverse(i)) = ready.pop() {
+            let id = NodeId::new(i as usize);
+            order.push(id);
+            for e in self.g.edges_directed(id, Direction::Outgoing) {
+                let t = e.target().index();
+                indeg[t] -= 1;
+                if indeg[t] == 0 {
+                    ready.push(Reverse(t as u32));
+                }
+            }
+        }
+        order
+    }
+
+    /// Replaces every use of `old` (as an operand or output) by `new`. Types must match.
+    pub fn replace_uses(&mut self, old: NodeId, new: NodeId) -> Result<()> {
+        if old == new {
+            return Ok(());
+        }
+        if self.g[old].ty != self.g[new].ty {
+            return Err(Error::Graph(format!(
+                "cannot replace {} by {}: types differ",
+                self.g[old].ty, self.g[new].ty
+            )));
+        }
+        let uses: Vec<(petgraph::stable_graph::EdgeIndex<u32>, NodeId, u8)> = self
+            .g
+            .edges_directed(old, Direction::Outgoing)
+            .map(|e| (e.id(), e.target(), *e.weight()))
+            .collect();
+        for (e, user, pos) in uses {
+            self.g.remove_edge(e);
+            self.g.add_edge(new, user, pos);
+            self.g[user].operands[pos as usize] = new;
+        }
+        for o in &mut self.outputs {
+            if *o == old {
+                *o = new;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes a node that has no users and is not an input or output.
+    pub(crate) fn remove_unused(&mut self, id: NodeId) -> bool {
+        let used = self
+            .g
+            .edges_directed(id, Direction::Outgoing)
+            .next()
+            .is_some();
+        let is_input = matches!(self.g[id].op, Op::Input(_));
+        if used || is_input || self.outputs.contains(&id) {
+            return false;
+        }
+        self.g.remove_node(id).is_some()
+    }
+
+    /// Removes inputs for which `keep` is false (they must be unused), renumbering the rest.
+    /// Returns, for each new input position, its old position.
+    pub(crate) fn retain_inputs(
+        &mut self,
+        keep: impl Fn(usize, &Input) -> bool,
+    ) -> Result<Vec<usize>> {
+        let mut kept = Vec::new();
+        let old = std::mem::take(&mut self.inputs);
+        for (i, inp) in old.into_iter().enumerate() {
+            if keep(i, &inp) {
+                let new_index = kept.len();
+                self.g[inp.node].op = Op::Input(new_index);
+                kept.push(i);
+                self.inputs.push(inp);
+            } else {
+                if self
+                    .g
+                    .edges_directed(inp.node, Direction::Outgoing)
+                    .next()
+                    .is_some()
+                    || self.outputs.contains(&inp.node)
+                {
+                    return Err(Error::Graph(format!(
+                        "input {i} ({}) is still used",
+                        inp.name
+                    )));
+                }
+                self.g.remove_node(inp.node);
+            }
+        }
+        let remap = |old: usize| kept.iter().position(|&k| k == old);
+        self.aliases = self
+            .aliases
+            .iter()
+            .filter_map(|&(i, o)| remap(i).map(|n| (n, o)))
+            .collect();
+        Ok(kept)
+    }
+
+    /// Checks the invariants: operands exist and match the edges, types re-infer to the stored
+    /// types, inputs and outputs exist, the graph is acyclic.
+    pub fn verify(&self) -> Result<()> {
+        for id in self.g.node_indices() {
+            let n = &self.g[id];
+            let mut edges: Vec<(u8, NodeId)> = self
+                .g
+                .edges_directed(id, Direction::Incoming)
+                .map(|e| (*e.weight(), e.source()))
+                .collect();
+            edges.sort();
+            let from_edges: Vec<NodeId> = edges.iter().map(|e| e.1).collect();
+            if from_edges.as_slice() != n.operands.as_slice() {
+                return Err(Error::Graph(format!(
+                    "node {id:?}: edges disagree with operands"
+                )));
+            }
+            if let Op::Input(i) = n.op {
+                match self.inputs.get(i) {
+                    Some(inp) if inp.node == id && inp.ty == n.ty => {}
+                    _ => return Err(Error::Graph(format!("node {id:?}: bad input index {i}"))),
+                }
+            } else {
+                let types: Vec<&TensorType> = n.operands.iter().map(|&o| &self.g[o].ty).collect();
+                let ty = n.op.infer(&types)?;
+                if ty != n.ty {
+                    return Err(Error::Graph(format!(
+                        "node {id:?} ({}): stored type {} but infers {ty}",
+                        n.op.name(),
+                        n.ty
+                    )));
+                }
+            }
+        }
+        if self.topo_order().len() != self.g.node_count() {
+            return Err(Error::Graph("cycle".into()));
+        }
+        for &o in &self.outputs {
+            if !self.g.contains_node(o) {
+                return Err(Error::Graph(format!("output {o:?} missing")));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,999 @@
+//! The closed set of graph operations and their type rules.
+//!
+//! Ops are close to StableHLO's so that lowering is direct and every backend interprets the
+//! same small set. Higher-level functions (softmax, layer norm, matmul with broadcasting,
+//! mean, ...) are compositions built by [`crate::Tensor`]. Every op produces exactly one value.
+//!
+//! Layout conventions fixed by the IR: convolutions and windowed reductions use
+//! `[batch, feature, spatial...]` for activations and `[out_feature, in_feature, spatial...]` for
+//! kernels (PyTorch's NCHW / OIHW).
+
+use super::{DType, Shape, TensorType};
+use crate::error::{Error, Result};
+use std::fmt;
+use std::sync::Arc;
+
+/// Elementwise functions of one operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    /// `-x`
+    Neg,
+    /// `|x|`
+    Abs,
+    /// `e^x`
+    Exp,
+    /// natural log
+    Log,
+    /// `log(1 + x)`
+    Log1p,
+    /// square root
+    Sqrt,
+    /// `1 / sqrt(x)`
+    Rsqrt,
+    /// hyperbolic tangent
+    Tanh,
+    /// `1 / (1 + e^-x)`
+    Logistic,
+    /// error function
+    Erf,
+    /// sine
+    Sin,
+    /// cosine
+    Cos,
+    /// round toward -inf
+    Floor,
+    /// round toward +inf
+    Ceil,
+    /// -1, 0 or 1 (0 for ±0, NaN for NaN)
+    Sign,
+    /// logical not (bool) or bitwise not (integers)
+    Not,
+}
+
+impl UnaryOp {
+    /// Name as printed in the text form.
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Log1p => "log1p",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Logistic => "logistic",
+            UnaryOp::Erf => "erf",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Floor => "floor",
+            UnaryOp::Ceil => "ceil",
+            UnaryOp::Sign => "sign",
+            UnaryOp::Not => "not",
+        }
+    }
+
+    fn accepts(self, d: DType) -> bool {
+        match self {
+            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sign => d != DType::Bool && d != DType::U32,
+            UnaryOp::Not => !d.is_float(),
+            _ => d.is_float(),
+        }
+    }
+}
+
+/// Elementwise functions of two operands of the same type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    /// `a + b` (integers wrap)
+    Add,
+    /// `a - b`
+    Sub,
+    /// `a * b` (integers wrap)
+    Mul,
+    /// `a / b` (integers truncate toward zero)
+    Div,
+    /// remainder with the sign of the dividend (C `fmod`)
+    Rem,
+    /// `a ^ b` (floats)
+    Pow,
+    /// elementwise maximum (NaN propagates)
+    Max,
+    /// elementwise minimum (NaN propagates)
+    Min,
+    /// logical/bitwise and
+    And,
+    /// logical/bitwise or
+    Or,
+    /// logical/bitwise xor
+    Xor,
+    /// `a << b` (integers)
+    ShiftLeft,
+    /// logical `a >> b` (integers; zeros shifted in)
+    ShiftRightLogical,
+}
+
+impl BinaryOp {
+    /// Name as printed in the text form.
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Rem => "rem",
+            BinaryOp::Pow => "pow",
+            BinaryOp::Max => "max",
+            BinaryOp::Min => "min",
+            BinaryOp::And => "and",
+            BinaryOp::Or => "or",
+            BinaryOp::Xor => "xor",
+            BinaryOp::ShiftLeft => "shift_left",
+            BinaryOp::ShiftRightLogical => "shift_right_logical",
+        }
+    }
+
+    fn accepts(self, d: DType) -> bool {
+        match self {
+            BinaryOp::Add
+            | BinaryOp::Sub
+            | BinaryOp::Mul
+            | BinaryOp::Div
+            | BinaryOp::Rem
+            | BinaryOp::Max
+            | BinaryOp::Min => d != DType::Bool,
+            BinaryOp::Pow => d.is_float(),
+            BinaryOp::And | BinaryOp::Or | BinaryOp::Xor => !d.is_float(),
+            BinaryOp::ShiftLeft | BinaryOp::ShiftRightLogical => d.is_int(),
+        }
+    }
+}
+
+/// Elementwise comparisons; the result is `Bool`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CompareOp {
+    /// `==`
+    Eq,
+    /// `!=`
+    Ne,
+    /// `<`
+    Lt,
+    /// `<=`
+    Le,
+    /// `>`
+    Gt,
+    /// `>=`
+    Ge,
+}
+
+impl CompareOp {
+    /// Name as printed in the text form (also StableHLO's comparison direction, lowercased).
+    pub fn name(self) -> &'static str {
+        match self {
+            CompareOp::Eq => "eq",
+            CompareOp::Ne => "ne",
+            CompareOp::Lt => "lt",
+            CompareOp::Le => "le",
+            CompareOp::Gt => "gt",
+            CompareOp::Ge => "ge",
+        }
+    }
+}
+
+/// The combining function of a reduction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceKind {
+    /// Sum; identity 0.
+    Sum,
+    /// Maximum; identity -inf (or the type's minimum).
+    Max,
+    /// Minimum; identity +inf (or the type's maximum).
+    Min,
+}
+
+impl ReduceKind {
+    /// Name as printed in the text form.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceKind::Sum => "sum",
+            ReduceKind::Max => "max",
+            ReduceKind::Min => "min",
+        }
+    }
+}
+
+/// Dimension numbers of a [`Op::DotGeneral`]: batch and contracting dimensions of each side.
+///
+/// The result's dimensions are: batch dims, then lhs free dims, then rhs free dims (StableHLO).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub struct DotDims {
+    /// Batch dimensions of the left operand.
+    pub lhs_batch: Vec<usize>,
+    /// Batch dimensions of the right operand (paired with `lhs_batch`).
+    pub rhs_batch: Vec<usize>,
+    /// Contracting dimensions of the left operand.
+    pub lhs_contract: Vec<usize>,
+    /// Contracting dimensions of the right operand (paired with `lhs_contract`).
+    pub rhs_contract: Vec<usize>,
+}
+
+/// Attributes of a [`Op::Conv`] (layout: input `[N, C, *spatial]`, kernel `[O, C/groups, *k]`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ConvAttrs {
+    /// Window strides, one per spatial dim.
+    pub strides: Vec<usize>,
+    /// Padding `(low, high)` per spatial dim; may be negative (cropping).
+    pub padding: Vec<(i64, i64)>,
+    /// Input (lhs) dilation: zeros inserted between input elements (transposed convolution).
+    pub lhs_dilation: Vec<usize>,
+    /// Kernel (rhs) dilation (atrous convolution).
+    pub rhs_dilation: Vec<usize>,
+    /// Feature groups (`groups` in PyTorch; `C` for depthwise).
+    pub feature_groups: usize,
+    /// Batch groups (used by the weight gradient of grouped convolutions).
+    pub batch_groups: usize,
+}
+
+impl ConvAttrs {
+    /// Plain convolution attributes for `n` spatial dims: stride 1, no padding, no dilation.
+    pub fn plain(n: usize) -> Self {
+        ConvAttrs {
+            strides: vec![1; n],
+            padding: vec![(0, 0); n],
+            lhs_dilation: vec![1; n],
+            rhs_dilation: vec![1; n],
+            feature_groups: 1,
+            batch_groups: 1,
+        }
+    }
+}
+
+/// Attributes of windowed ops ([`Op::ReduceWindow`], [`Op::SelectAndScatter`]) over the
+/// trailing spatial dims of a `[N, C, *spatial]` operand.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct WindowAttrs {
+    /// Window size per spatial dim.
+    pub window: Vec<usize>,
+    /// Stride per spatial dim.
+    pub strides: Vec<usize>,
+    /// Padding `(low, high)` per spatial dim (padded elements are the reduction's identity).
+    pub padding: Vec<(usize, usize)>,
+}
+
+/// A constant tensor: its type and little-endian, row-major bytes.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Literal {
+    ty: TensorType,
+    bytes: Arc<[u8]>,
+}
+
+impl Literal {
+    /// A literal from raw bytes (checked against the type's size).
+    pub fn from_bytes(ty: TensorType, bytes: impl Into<Arc<[u8]>>) -> Result<Self> {
+        let bytes = bytes.into();
+        if bytes.len() != ty.size_in_bytes() {
+            return Err(Error::Invalid(format!(
+                "literal of type {ty} needs {} bytes, got {}",
+                ty.size_in_bytes(),
+                bytes.len()
+            )));
+        }
+        Ok(Literal { ty, bytes })
+    }
+
+    /// A scalar of `dtype` holding `v` converted to that type (`v != 0` for `Bool`).
+    pub fn scalar(dtype: DType, v: f64) -> Self {
+        let bytes: Vec<u8> = match dtype {
+            DType::Bool => vec![(v != 0.0) as u8],
+            DType::U32 => (v as u32).to_le_bytes().to_vec(),
+            DType::I32 => (v as i32).to_le_bytes().to_vec(),
+            DType::I64 => (v as i64).to_le_bytes().to_vec(),
+            DType::F32 => (v as f32).to_le_bytes().to_vec(),
+            DType::F64 => v.to_le_bytes().to_vec(),
+        };
+        Literal {
+            ty: TensorType::scalar(dtype),
+            bytes: bytes.into(),
+        }
+    }
+
+    /// The literal's type.
+    pub fn ty(&self) -> &TensorType {
+        &self.ty
+    }
+
+    /// The raw bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Element `i` converted to `f64` (for printing and constant folding).
+    pub fn get_f64(&self, i: usize) -> f64 {
+        let s = self.ty.dtype.size_in_bytes();
+        let b = &self.bytes[i * s..(i + 1) * s];
+        match self.ty.dtype {
+            DType::Bool => (b[0] != 0) as u8 as f64,
+            DType::U32 => u32::from_le_bytes(b.try_into().unwrap_or_default()) as f64,
+            DType::I32 => i32::from_le_bytes(b.try_into().unwrap_or_default()) as f64,
+            DType::I64 => i64::from_le_bytes(b.try_into().unwrap_or_default()) as f64,
+            DType::F32 => f32::from_le_bytes(b.try_into().unwrap_or_default()) as f64,
+            DType::F64 => f64::from_le_bytes(b.try_into().unwrap_or_default()),
+        }
+    }
+
+    /// If every element equals the first, that value as `f64`.
+    pub fn splat_value(&self) -> Option<f64> {
+        let s = self.ty.dtype.size_in_bytes();
+        let first = self.bytes.get(..s)?;
+        self.bytes
+            .chunks(s)
+            .all(|c| c == first)
+            .then(|| self.get_f64(0))
+    }
+}
+
+impl fmt::Debug for Literal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.splat_value() {
+            Some(v) if self.ty.shape.rank() == 0 => write!(f, "{v}"),
+            Some(v) => write!(f, "splat({v})"),
+            None => write!(f, "<{} bytes>", self.bytes.len()),
+        }
+    }
+}
+
+/// A graph operation. Closed: every pass, rule and backend matches on it exhaustively.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// The `index`-th graph input (see [`crate::ir::Graph::inputs`]).
+    Input(usize),
+    /// A constant.
+    Constant(Literal),
+    /// `0, 1, 2, ...` along `dim` of a tensor of type `ty`.
+    Iota {
+        /// Result type.
+        ty: TensorType,
+        /// The counting dimension.
+        dim: usize,
+    },
+    /// Elementwise unary function.
+    Unary(UnaryOp),
+    /// Elementwise binary function of two operands of identical type.
+    Binary(BinaryOp),
+    /// Elementwise comparison of two operands of identical type; yields `Bool`.
+    Compare(CompareOp),
+    /// `select(pred, on_true, on_false)`; `pred` is `Bool` of the same shape.
+    Select,
+    /// Element type conversion (float→int truncates toward zero; to `Bool` is `!= 0`).
+    Convert(DType),
+    /// `broadcast_in_dim`: operand dim `i` becomes result dim `dims[i]` (size equal or 1).
+    Broadcast {
+        /// Result shape.
+        shape: Shape,
+        /// Where each operand dimension goes, strictly increasing.
+        dims: Vec<usize>,
+    },
+    /// Row-major reshape to a shape with the same element count.
+    Reshape(Shape),
+    /// Dimension permutation: result dim `i` is operand dim `perm[i]`.
+    Transpose(Vec<usize>),
+    /// Strided slice `[start, limit)` per dim.
+    Slice {
+        /// Start index per dim.
+        start: Vec<usize>,
+        /// Exclusive end per dim.
+        limit: Vec<usize>,
+        /// Step per dim (>= 1).
+        stride: Vec<usize>,
+    },
+    /// Concatenation of any number of operands along `axis`.
+    Concat {
+        /// The joining dimension.
+        axis: usize,
+    },
+    /// Padding with the value of a scalar second operand: `low`/`high` edges (may be negative)
+    /// and `interior` elements inserted between neighbours.
+    Pad {
+        /// Edge padding before each dim.
+        low: Vec<i64>,
+        /// Edge padding after each dim.
+        high: Vec<i64>,
+        /// Interior padding per dim.
+        interior: Vec<usize>,
+    },
+    /// Reversal along `dims`.
+    Reverse(Vec<usize>),
+    /// Generalized matrix product.
+    DotGeneral(DotDims),
+    /// Reduction over `axes` (removed from the shape).
+    Reduce {
+        /// Combining function.
+        kind: ReduceKind,
+        /// Reduced dims, strictly increasing.
+        axes: Vec<usize>,
+    },
+    /// Windowed reduction over the spatial dims of `[N, C, *spatial]` (pooling).
+    ReduceWindow {
+        /// Combining function.
+        kind: ReduceKind,
+        /// Window geometry.
+        attrs: WindowAttrs,
+    },
+    /// Max pooling's gradient: operands `(operand, source)`; each `source` element is added at
+    /// the position of its window's maximum (first maximum on ties) in a zero tensor shaped like
+    /// `operand`.
+    SelectAndScatter(WindowAttrs),
+    /// N-d convolution (cross-correlation, as PyTorch and StableHLO define it).
+    Conv(ConvAttrs),
+    /// Take slices of operand 0 along `axis` at the integer indices of operand 1; result shape
+    /// is `x[..axis] ++ indices.shape ++ x[axis+1..]`. Indices are clamped into range.
+    Take {
+        /// The indexed dimension.
+        axis: usize,
+    },
+    /// Inverse of `Take`: operands `(base, indices, updates)`; adds each slice of `updates` into
+    /// `base` at its index along `axis` (duplicates accumulate). Result type is `base`'s.
+    ScatterAdd {
+        /// The indexed dimension.
+        axis: usize,
+    },
+}
+
+impl Op {
+    /// Short name of the op, as printed.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input(_) => "input",
+            Op::Constant(_) => "constant",
+            Op::Iota { .. } => "iota",
+            Op::Unary(u) => u.name(),
+            Op::Binary(b) => b.name(),
+            Op::Compare(_) => "compare",
+            Op::Select => "select",
+            Op::Convert(_) => "convert",
+            Op::Broadcast { .. } => "broadcast",
+            Op::Reshape(_) => "reshape",
+            Op::Transpose(_) => "transpose",
+            Op::Slice { .. } => "slice",
+            Op::Concat { .. } => "concat",
+            Op::Pad { .. } => "pad",
+            Op::Reverse(_) => "reverse",
+            Op::DotGeneral(_) => "dot_general",
+            Op::Reduce { .. } => "reduce",
+            Op::ReduceWindow { .. } => "reduce_window",
+            Op::SelectAndScatter(_) => "select_and_scatter",
+            Op::Conv(_) => "conv",
+            Op::Take { .. } => "take",
+            Op::ScatterAdd { .. } => "scatter_add",
+        }
+    }
+
+    /// Does the op's result depend only on its operands (no side effects, no randomness)?
+    /// All ops are pure today; randomness is built from integer ops on an explicit key input.
+    pub fn is_pure(&self) -> bool {
+        true
+    }
+
+    /// Infers the result type from the operand types, or explains why they are invalid.
+    ///
+    /// `Input` cannot be inferred (its type is declared with the graph input).
+    pub fn infer(&self, operands: &[&TensorType]) -> Result<TensorType> {
+        let err = |msg: String| Err(Error::type_error(self.name(), msg, operands));
+        let arity = |n: usize| -> Result<()> {
+            if operands.len() != n {
+                return Err(Error::type_error(
+                    self.name(),
+                    format!("expects {n} operand(s), got {}", operands.len()),
+                    operands,
+                ));
+            }
+            Ok(())
+        };
+        match self {
+            Op::Input(_) => err("the type of an input is declared with the graph input".into()),
+            Op::Constant(lit) => {
+                arity(0)?;
+                Ok(lit.ty().clone())
+            }
+            Op::Iota { ty, dim } => {
+                arity(0)?;
+                if *dim >= ty.shape.rank() {
+                    return err(format!("iota dim {dim} out of range for {ty}"));
+                }
+                if ty.dtype == DType::Bool {
+                    return err("iota of bool".into());
+                }
+                Ok(ty.clone())
+            }
+            Op::Unary(u) => {
+                arity(1)?;
+                let a = operands[0];
+                if !u.accepts(a.dtype) {
+                    return err(format!("not defined for {}", a.dtype));
+                }
+                Ok(a.clone())
+            }
+            Op::Binary(b) => {
+                arity(2)?;
+                let (a, c) = (operands[0], operands[1]);
+                if a != c {
+                    return err("operands must have identical types (broadcast first)".into());
+                }
+                if !b.accepts(a.dtype) {
+                    return err(format!("not defined for {}", a.dtype));
+                }
+                Ok(a.clone())
+            }
+            Op::Compare(_) => {
+                arity(2)?;
+                let (a, c) = (operands[0], operands[1]);
+                if a != c {
+                    return err("operands must have identical types (broadcast first)".into());
+                }
+                Ok(a.with_dtype(DType::Bool))
+            }
+            Op::Select => {
+                arity(3)?;
+                let (p, t, f) = (operands[0], operands[1], operands[2]);
+                if p.dtype != DType::Bool || p.shape != t.shape || t != f {
+                    return err(
+                        "expects (bool[S], T[S], T[S]): a bool predicate and two branches of one type"
+                            .into(),
+                    );
+                }
+                Ok(t.clone())
+            }
+            Op::Convert(d) => {
+                arity(1)?;
+                Ok(operands[0].with_dtype(*d))
+            }
+            Op::Broadcast { shape, dims } => {
+                arity(1)?;
+                let a = operands[0];
+                if dims.len() != a.shape.rank() {
+                    return err(format!(
+                        "dims {dims:?} must name one result dim per operand dim"
+                    ));
+                }
+                for (i, &d) in dims.iter().enumerate() {
+                    if d >= shape.rank() || (i > 0 && dims[i - 1] >= d) {
+                        return err(format!(
+                            "dims {dims:?} must be strictly increasing and < {}",
+                            shape.rank()
+                        ));
+                    }
+                    let (src, dst) = (a.shape.dim(i), shape.dim(d));
+                    if src != dst && src != 1 {
+                        return err(format!(
+                            "cannot broadcast dim {i} of size {src} to size {dst} (result {shape})"
+                        ));
+                    }
+                }
+                Ok(TensorType::new(a.dtype, shape.clone()))
+            }
+            Op::Reshape(shape) => {
+                arity(1)?;
+                let a = operands[0];
+                if a.shape.numel() != shape.numel() {
+                    return err(format!(
+                        "cannot reshape {} elements to {shape}",
+                        a.shape.numel()
+                    ));
+                }
+                Ok(TensorType::new(a.dtype, shape.clone()))
+            }
+            Op::Transpose(perm) => {
+                arity(1)?;
+                let a = operands[0];
+                if !is_permutation(perm, a.shape.rank()) {
+                    return err(format!(
+                        "{perm:?} is not a permutation of rank {}",
+                        a.shape.rank()
+                    ));
+                }
+                let dims: Vec<usize> = perm.iter().map(|&p| a.shape.dim(p)).collect();
+                Ok(TensorType::new(a.dtype, dims))
+            }
+            Op::Slice {
+                start,
+                limit,
+                stride,
+            } => {
+                arity(1)?;
+                let a = operands[0];
+                let r = a.shape.rank();
+                if start.len() != r || limit.len() != r || stride.len() != r {
+                    return err(format!("start/limit/stride need {r} entries"));
+                }
+                let mut dims = Vec::with_capacity(r);
+                for i in 0..r {
+                    if stride[i] == 0 || start[i] > limit[i] || limit[i] > a.shape.dim(i) {
+                        return err(format!(
+                            "bad slice [{}:{}:{}] of dim {i} (size {})",
+                            start[i],
+                            limit[i],
+                            stride[i],
+                            a.shape.dim(i)
+                        ));
+                    }
+                    dims.push((limit[i] - start[i]).div_ceil(stride[i]));
+                }
+                Ok(TensorType::new(a.dtype, dims))
+            }
+            Op::Concat { axis } => {
+                if operands.is_empty() {
+                    return err("needs at least one operand".into());
+                }
+                let first = operands[0];
+                if *axis >= first.shape.rank() {
+                    return err(format!("axis {axis} out of range"));
+                }
+                let mut dims = first.shape.dims().to_vec();
+                dims[*axis] = 0;
+                for o in operands {
+                    let same = o.dtype == first.dtype
+                        && o.shape.rank() == first.shape.rank()
+                        && (0..first.shape.rank())
+                            .all(|i| i == *axis || o.shape.dim(i) == first.shape.dim(i));
+                    if !same {
+                        return err(format!("operands differ outside axis {axis}"));
+                    }
+                    dims[*axis] += o.shape.dim(*axis);
+                }
+                Ok(TensorType::new(first.dtype, dims))
+            }
+            Op::Pad {
+                low,
+                high,
+                interior,
+            } => {
+                arity(2)?;
+                let (a, v) = (operands[0], operands[1]);
+                let r = a.shape.rank();
+                if v.shape.rank() != 0 || v.dtype != a.dtype {
+                    return err("the padding value must be a scalar of the operand's dtype".into());
+                }
+                if low.len() != r || high.len() != r || interior.len() != r {
+                    return err(format!("low/high/interior need {r} entries"));
+                }
+                let mut dims = Vec::with_capacity(r);
+                for i in 0..r {
+                    let n = a.shape.dim(i) as i64;
+                    let inner = if n == 0 {
+                        0
+                    } else {
+                        n + (n - 1) * interior[i] as i64
+                    };
+                    let size = inner + low[i] + high[i];
+                    if size < 0 {
+                        return err(format!("padding makes dim {i} negative"));
+                    }
+                    dims.push(size as usize);
+                }
+                Ok(TensorType::new(a.dtype, dims))
+            }
+            Op::Reverse(dims) => {
+                arity(1)?;
+                let a = operands[0];
+                if dims.iter().any(|&d| d >= a.shape.rank()) {
+                    return err(format!("dims {dims:?} out of range"));
+                }
+                Ok(a.clone())
+            }
+            Op::DotGeneral(d) => {
+                arity(2)?;
+                infer_dot(d, operands[0], operands[1]).or_else(|m| err(m))
+            }
+            Op::Reduce { axes, .. } => {
+                arity(1)?;
+                let a = operands[0];
+                if a.dtype == DType::Bool {
+                    return err("reduction of bool".into());
+                }
+                for (i, &ax) in axes.iter().enumerate() {
+                    if ax >= a.shape.rank() || (i > 0 && axes[i - 1] >= ax) {
+                        return err(format!(
+                            "axes {axes:?} must be strictly increasing and < rank {}",
+                            a.shape.rank()
+                        ));
+                    }
+                }
+                let dims: Vec<usize> = (0..a.shape.rank())
+                    .filter(|i| !axes.contains(i))
+                    .map(|i| a.shape.dim(i))
+                    .collect();
+                Ok(TensorType::new(a.dtype, dims))
+            }
+            Op::ReduceWindow { attrs, .. } => {
+                arity(1)?;
+                let a = operands[0];
+                infer_window(attrs, a).or_else(|m| err(m))
+            }
+            Op::SelectAndScatter(attrs) => {
+                arity(2)?;
+                let (a, s) = (operands[0], operands[1]);
+                let out = infer_window(attrs, a).or_else(|m| err(m))?;
+                if *s != out {
+                    return err(format!("source must be {out} (the pooled shape)"));
+                }
+                Ok(a.clone())
+            }
+            Op::Conv(c) => {
+                arity(2)?;
+                infer_conv(c, operands[0], operands[1]).or_else(|m| err(m))
+            }
+            Op::Take { axis } => {
+                arity(2)?;
+                let (x, idx) = (operands[0], operands[1]);
+                if !matches!(idx.dtype, DType::I32 | DType::I64) {
+                    return err("indices must be i32 or i64".into());
+                }
+                if *axis >= x.shape.rank() {
+                    return err(format!("axis {axis} out of range"));
+                }
+                let mut dims = x.shape.dims()[..*axis].to_vec();
+                dims.extend_from_slice(idx.shape.dims());
+                dims.extend_from_slice(&x.shape.dims()[axis + 1..]);
+                Ok(TensorType::new(x.dtype, dims))
+            }
+            Op::ScatterAdd { axis } => {
+                arity(3)?;
+                let (base, idx, upd) = (operands[0], operands[1], operands[2]);
+                if !matches!(idx.dtype, DType::I32 | DType::I64) {
+                    return err("indices must be i32 or i64".into());
+                }
+                if *axis >= base.shape.rank() {
+                    return err(format!("axis {axis} out of range"));
+                }
+                let mut dims = base.shape.dims()[..*axis].to_vec();
+                dims.extend_from_slice(idx.shape.dims());
+                dims.extend_from_slice(&base.shape.dims()[axis + 1..]);
+                if upd.dtype != base.dtype || upd.shape.dims() != dims.as_slice() {
+                    return err(format!(
+                        "updates must be {}",
+                        TensorType::new(base.dtype, dims)
+                    ));
+                }
+                Ok(base.clone())
+            }
+        }
+    }
+}
+
+fn is_permutation(perm: &[usize], rank: usize) -> bool {
+    let mut seen = vec![false; rank];
+    perm.len() == rank
+        && perm
+            .iter()
+            .all(|&p| p < rank && !std::mem::replace(&mut seen[p], true))
+}
+
+fn infer_dot(
+    d: &DotDims,
+    a: &TensorType,
+    b: &TensorType,
+) -> std::result::Result<TensorType, String> {
+    if a.dtype != b.dtype {
+        return Err(format!("dtypes differ: {} vs {}", a.dtype, b.dtype));
+    }
+    if a.dtype == DType::Bool {
+        return Err("dot of bool".into());
+    }
+    if d.lhs_batch.len() != d.rhs_batch.len() || d.lhs_contract.len() != d.rhs_contract.len() {
+        return Err(format!("unpaired dimension numbers {d:?}"));
+    }
+    let check = |dims: &[usize], ty: &TensorType| dims.iter().all(|&x| x < ty.shape.rank());
+    if !check(&d.lhs_batch, a)
+        || !check(&d.lhs_contract, a)
+        || !check(&d.rhs_batch, b)
+        || !check(&d.rhs_contract, b)
+    {
+        return Err(format!("dimension numbers {d:?} out of range"));
+    }
+    for (&l, &r) in d.lhs_batch.iter().zip(&d.rhs_batch) {
+        if a.shape.dim(l) != b.shape.dim(r) {
+            return Err(format!(
+                "batch dims differ: lhs dim {l} = {} vs rhs dim {r} = {}",
+                a.shape.dim(l),
+                b.shape.dim(r)
+            ));
+        }
+    }
+    for (&l, &r) in d.lhs_contract.iter().zip(&d.rhs_contract) {
+        if a.shape.dim(l) != b.shape.dim(r) {
+            return Err(format!(
+                "contracting dims differ: lhs dim {l} = {} vs rhs dim {r} = {}",
+                a.shape.dim(l),
+                b.shape.dim(r)
+            ));
+        }
+    }
+    let mut dims: Vec<usize> = d.lhs_batch.iter().map(|&i| a.shape.dim(i)).collect();
+    for i in 0..a.shape.rank() {
+        if !d.lhs_batch.contains(&i) && !d.lhs_contract.contains(&i) {
+            dims.push(a.shape.dim(i));
+        }
+    }
+    for i in 0..b.shape.rank() {
+        if !d.rhs_batch.contains(&i) && !d.rhs_contract.contains(&i) {
+            dims.push(b.shape.dim(i));
+        }
+    }
+    Ok(TensorType::new(a.dtype, dims))
+}
+
+fn infer_window(w: &WindowAttrs, a: &TensorType) -> std::result::Result<TensorType, String> {
+    let r = a.shape.rank();
+    if r < 3 {
+        return Err(format!("needs a [N, C, *spatial] operand, got rank {r}"));
+    }
+    let n = r - 2;
+    if w.window.len() != n || w.strides.len() != n || w.padding.len() != n {
+        return Err(format!("window/strides/padding need {n} entries"));
+    }
+    let mut dims = vec![a.shape.dim(0), a.shape.dim(1)];
+    for i in 0..n {
+        let padded = a.shape.dim(i + 2) + w.padding[i].0 + w.padding[i].1;
+        if w.strides[i] == 0 || w.window[i] == 0 || padded < w.window[i] {
+            return Err(format!(
+                "window {} with stride {} does not fit padded size {padded} of spatial dim {i}",
+                w.window[i], w.strides[i]
+            ));
+        }
+        dims.push((padded - w.window[i]) / w.strides[i] + 1);
+    }
+    Ok(TensorType::new(a.dtype, dims))
+}
+
+fn infer_conv(
+    c: &ConvAttrs,
+    x: &TensorType,
+    k: &TensorType,
+) -> std::result::Result<TensorType, String> {
+    if x.dtype != k.dtype || !x.dtype.is_float() {
+        return Err("input and kernel must share a float dtype".into());
+    }
+    let r = x.shape.rank();
+    if r < 3 || k.shape.rank() != r {
+        return Err(
+            "input [N, C, *spatial] and kernel [O, C/groups, *k] of equal rank >= 3".into(),
+        );
+    }
+    let n = r - 2;
+    if c.strides.len() != n
+        || c.padding.len() != n
+        || c.lhs_dilation.len() != n
+        || c.rhs_dilation.len() != n
+    {
+        return Err(format!("strides/padding/dilations need {n} entries"));
+    }
+    let (fg, bg) = (c.feature_groups, c.batch_groups);
+    if fg == 0 || bg == 0 || (fg > 1 && bg > 1) {
+        return Err("groups must be >= 1 and at most one of feature/batch groups > 1".into());
+    }
+    let (batch, cin, cout, kin) = (
+        x.shape.dim(0),
+        x.shape.dim(1),
+        k.shape.dim(0),
+        k.shape.dim(1),
+    );
+    if cin != kin * fg {
+        return Err(format!(
+            "input channels {cin} != kernel in-channels {kin} x feature groups {fg}"
+        ));
+    }
+    if cout % fg != 0 || cout % bg != 0 || batch % bg != 0 {
+        return Err(format!(
+            "out channels {cout} / batch {batch} not divisible by groups ({fg}, {bg})"
+        ));
+    }
+    let mut dims = vec![batch / bg, cout];
+    for i in 0..n {
+        let xi = x.shape.dim(i + 2);
+        let ki = k.shape.dim(i + 2);
+        let xd = if xi == 0 {
+            0
+        } else {
+            (xi - 1) * c.lhs_dilation[i] + 1
+        } as i64;
+        let kd = if ki == 0 {
+            0
+        } else {
+            (ki - 1) * c.rhs_dilation[i] + 1
+        } as i64;
+        let padded = xd + c.padding[i].0 + c.padding[i].1;
+        if c.strides[i] == 0 || padded < kd {
+            return Err(format!(
+                "kernel extent {kd} larger than padded input {padded} in spatial dim {i}"
+            ));
+        }
+        dims.push(((padded - kd) / c.strides[i] as i64 + 1) as usize);
+    }
+    Ok(TensorType::new(x.dtype, dims))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(d: DType, s: &[usize]) -> TensorType {
+        TensorType::new(d, s)
+    }
+
+    #[test]
+    fn dot_general_matmul_type() {
+        let d = DotDims {
+            lhs_contract: vec![1],
+            rhs_contract: vec![0],
+            ..Default::default()
+        };
+        let r = Op::DotGeneral(d)
+            .infer(&[&t(DType::F32, &[2, 3]), &t(DType::F32, &[3, 5])])
+            .unwrap();
+        assert_eq!(r, t(DType::F32, &[2, 5]));
+    }
+
+    #[test]
+    fn shape_mismatch_names_op_and_shapes() {
+        let d = DotDims {
+            lhs_contract: vec![1],
+            rhs_contract: vec![0],
+            ..Default::default()
+        };
+        let e = Op::DotGeneral(d)
+            .infer(&[&t(DType::F32, &[2, 3]), &t(DType::F32, &[4, 5])])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("dot_general"), "{e}");
+        assert!(e.contains("f32[2,3]") && e.contains("f32[4,5]"), "{e}");
+    }
+
+    #[test]
+    fn conv_output_shape_matches_pytorch_formula() {
+        // resnet stem: 7x7 stride 2 pad 3 on 64x64 -> 32x32
+        let mut c = ConvAttrs::plain(2);
+        c.strides = vec![2, 2];
+        c.padding = vec![(3, 3), (3, 3)];
+        let r = Op::Conv(c)
+            .infer(&[
+                &t(DType::F32, &[4, 3, 64, 64]),
+                &t(DType::F32, &[64, 3, 7, 7]),
+            ])
+            .unwrap();
+        assert_eq!(r, t(DType::F32, &[4, 64, 32, 32]));
+    }
+
+    #[test]
+    fn broadcast_rejects_incompatible_sizes() {
+        let op = Op::Broadcast {
+            shape: Shape::new(&[2, 3]),
+            dims: vec![1],
+        };
+        assert!(op.infer(&[&t(DType::F32, &[3])]).is_ok());
+        assert!(op.infer(&[&t(DType::F32, &[2])]).is_err());
+    }
+
+    #[test]
+    fn window_and_slice_shapes() {
+        let w = WindowAttrs {
+            window: vec![3, 3],
+            strides: vec![2, 2],
+            padding: vec![(1, 1), (1, 1)],
+        };
+        let r = Op::ReduceWindow {
+            kind: ReduceKind::Max,
+            attrs: w,
+        }
+        .infer(&[&t(DType::F32, &[1, 2, 32, 32])])
+        .unwrap();
+        assert_eq!(r.shape.dims(), &[1, 2, 16, 16]);
+        let s = Op::Slice {
+            start: vec![1],
+            limit: vec![10],
+            stride: vec![3],
+        }
+        .infer(&[&t(DType::F32, &[10])])
+        .unwrap();
+        assert_eq!(s.shape.dims(), &[3]);
+    }
+}

@@ -1,0 +1,46 @@
+//! # kiln
+//!
+//! Trace a model's tensor operations into a typed graph, differentiate it ahead of time,
+//! compile each graph once to XLA (through the PJRT C API) and replay the cached executable.
+//!
+//! The pipeline, one module per stage:
+//!
+//! - [`trace`]: [`Tensor`] runs eagerly on libtorch, or records into a graph inside [`trace()`].
+//! - [`ir`]: the typed graph ([`ir::Graph`]) over a closed op set ([`ir::Op`]).
+//! - [`passes`]: graph rewrites (CSE, DCE, output dedup).
+//! - [`backend`]: the [`backend::Backend`] trait; `eager` (tch interpreter) and `xla` (PJRT).
+//! - [`compile()`]: the entry point: trace once per input signature, compile, replay.
+//! - [`nn`]: modules and the [`nn::ParamStore`].
+//!
+//! ```no_run
+//! use kiln::backend::xla::XlaBackend;
+//! use kiln::nn::{Linear, Module, ParamStore, Relu, Sequential};
+//! use kiln::{compile, Tensor};
+//!
+//! let store = ParamStore::with_seed(0);
+//! let root = store.root();
+//! let model = Sequential::new()
+//!     .add(Linear::new(&root.sub("0"), 10, 10, true)?)
+//!     .add(Relu)
+//!     .add(Linear::new(&root.sub("2"), 10, 10, true)?);
+//! let x = Tensor::randn(&[2, 10], 1)?;
+//! let eager = model.forward(&x)?;                       // runs on libtorch
+//! let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| Ok(vec![model.forward(&xs[0])?]));
+//! let compiled = f.run(&[x])?;                          // traced, compiled once, replayed
+//! # Ok::<(), kiln::Error>(())
+//! ```
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod backend;
+pub mod compile;
+pub mod error;
+pub mod ir;
+pub mod nn;
+pub mod passes;
+pub mod trace;
+
+pub use compile::{compile, CompiledFn, Program, Stats, TraceMode};
+pub use error::{Error, Result};
+pub use ir::{DType, Shape, TensorType};
+pub use trace::{trace, Tensor};

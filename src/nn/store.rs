@@ -1,0 +1,296 @@
+//! `ParamStore`: named parameters and buffers, tch `VarStore`-style.
+
+use crate::error::{Error, Result};
+use crate::ir::DType;
+use crate::trace::{is_tracing, SplitMix, Tensor, VarInfo, VarKind};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+static NEXT_VAR: AtomicU64 = AtomicU64::new(1);
+
+/// How a new variable is initialised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// All elements equal.
+    Const(f64),
+    /// Uniform in `[lo, hi)`.
+    Uniform {
+        /// Lower bound.
+        lo: f64,
+        /// Upper bound.
+        hi: f64,
+    },
+    /// Normal with `mean` and `std`.
+    Normal {
+        /// Mean.
+        mean: f64,
+        /// Standard deviation.
+        std: f64,
+    },
+    /// PyTorch's default for `Linear`/`Conv` weights: `kaiming_uniform_(a = sqrt(5))`, i.e.
+    /// uniform in `±1/sqrt(fan_in)`; `fan_in` is the product of all dims but the first.
+    KaimingUniform,
+    /// `kaiming_normal_(mode="fan_out", nonlinearity="relu")`, torchvision's conv init for
+    /// ResNets: normal with std `sqrt(2 / fan_out)`, `fan_out = dims[0] * prod(dims[2..])`.
+    KaimingNormalFanOut,
+}
+
+struct Entry {
+    info: Arc<VarInfo>,
+    tensor: tch::Tensor,
+    dtype: DType,
+}
+
+struct Inner {
+    vars: Vec<Entry>,
+    by_name: HashMap<String, usize>,
+    rng: SplitMix,
+}
+
+/// A set of named variables (parameters and buffers), shared by the modules built from it.
+///
+/// Names are hierarchical, built with [`Path`]s: `store.root().sub("layer1").sub("0")`. The
+/// tensors handed to modules share storage with the store, so updates through the store
+/// (optimizer steps, loading weights, [`Tensor::assign`]) are seen by the modules.
+///
+/// Cloning a `ParamStore` gives another handle to the same variables.
+#[derive(Clone)]
+pub struct ParamStore {
+    inner: Arc<Mutex<Inner>>,
+}
+
+impl Default for ParamStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for ParamStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let g = self.inner.lock();
+        write!(f, "ParamStore({} vars)", g.vars.len())
+    }
+}
+
+impl ParamStore {
+    /// An empty store whose initialisers are seeded with 0.
+    pub fn new() -> Self {
+        Self::with_seed(0)
+    }
+
+    /// An empty store whose random initialisers draw from `seed`.
+    pub fn with_seed(seed: u64) -> Self {
+        ParamStore {
+            inner: Arc::new(Mutex::new(Inner {
+                vars: Vec::new(),
+                by_name: HashMap::new(),
+                rng: SplitMix(seed),
+            })),
+        }
+    }
+
+    /// The root path (empty prefix).
+    pub fn root(&self) -> Path {
+        Path {
+            store: self.clone(),
+            prefix: String::new(),
+        }
+    }
+
+    fn create(
+        &self,
+        name: String,
+        shape: &[usize],
+        init: Init,
+        kind: VarKind,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        if is_tracing() {
+            return Err(Error::Trace(format!(
+                "variable {name} created inside a trace: build modules before tracing them"
+            )));
+        }
+        if !dtype.is_float() && !matches!(init, Init::Const(_)) {
+            return Err(Error::Invalid(format!("{name}: random init of {dtype}")));
+        }
+        let mut g = self.inner.lock();
+        if g.by_name.contains_key(&name) {
+            return Err(Error::Invalid(format!("variable {name} already exists")));
+        }
+        let n: usize = shape.iter().product();
+        let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        let fan_in: usize = shape.iter().skip(1).product::<usize>().max(1);
+        let values: Vec<f64> = match init {
+            Init::Const(v) => vec![v; n],
+            Init::Uniform { lo, hi } => (0..n).map(|_| lo + (hi - lo) * g.rng.uniform()).collect(),
+            Init::KaimingUniform => {
+                let b = 1.0 / (fan_in as f64).sqrt();
+                (0..n).map(|_| -b + 2.0 * b * g.rng.uniform()).collect()
+            }
+            Init::Normal { mean, std } => {
+                let seed = g.rng.next();
+                crate::trace::seeded_normal(n, seed)
+                    .into_iter()
+                    .map(|z| mean + std * z)
+                    .collect()
+            }
+            Init::KaimingNormalFanOut => {
+                let fan_out =
+                    shape.first().copied().unwrap_or(1) * shape.iter().skip(2).product::<usize>();
+                let std = (2.0 / fan_out.max(1) as f64).sqrt();
+                let seed = g.rng.next();
+                crate::trace::seeded_normal(n, seed)
+                    .into_iter()
+                    .map(|z| std * z)
+                    .collect()
+            }
+        };
+        let t = tch::Tensor::f_from_slice(&values)?
+            .f_reshape(&dims)?
+            .f_to_kind(crate::backend::eager::kind_of(dtype))?;
+        let t = if kind == VarKind::Parameter {
+            t.set_requires_grad(true)
+        } else {
+            t
+        };
+        let info = Arc::new(VarInfo {
+            id: NEXT_VAR.fetch_add(1, Ordering::Relaxed),
+            name: name.clone(),
+            kind,
+        });
+        let idx = g.vars.len();
+        g.vars.push(Entry {
+            info: info.clone(),
+            tensor: t.shallow_clone(),
+            dtype,
+        });
+        g.by_name.insert(name, idx);
+        Ok(Tensor::new_var(t, dtype, info))
+    }
+
+    /// All variables in creation order, as `(name, tensor)`.
+    pub fn vars(&self) -> Vec<(String, Tensor)> {
+        let g = self.inner.lock();
+        g.vars
+            .iter()
+            .map(|e| {
+                (
+                    e.info.name.clone(),
+                    Tensor::new_var(e.tensor.shallow_clone(), e.dtype, e.info.clone()),
+                )
+            })
+            .collect()
+    }
+
+    /// The trainable parameters in creation order.
+    pub fn trainable(&self) -> Vec<Tensor> {
+        self.vars()
+            .into_iter()
+            .filter(|(_, t)| t.variable().map(|v| v.kind) == Some(VarKind::Parameter))
+            .map(|(_, t)| t)
+            .collect()
+    }
+
+    /// The variable called `name`.
+    pub fn get(&self, name: &str) -> Option<Tensor> {
+        let g = self.inner.lock();
+        g.by_name.get(name).map(|&i| {
+            let e = &g.vars[i];
+            Tensor::new_var(e.tensor.shallow_clone(), e.dtype, e.info.clone())
+        })
+    }
+
+    /// Number of variables.
+    pub fn len(&self) -> usize {
+        self.inner.lock().vars.len()
+    }
+
+    /// No variables?
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Total number of elements in trainable parameters (PyTorch's parameter count).
+    pub fn num_parameters(&self) -> usize {
+        self.trainable().iter().map(|t| t.shape().numel()).sum()
+    }
+
+    /// Overwrites the value of variable `name` (outside autograd). Shapes and dtypes must match.
+    pub fn set(&self, name: &str, value: &crate::backend::HostTensor) -> Result<()> {
+        let t = self
+            .get(name)
+            .ok_or_else(|| Error::Invalid(format!("no variable named {name}")))?;
+        if value.ty() != t.ty() {
+            return Err(Error::Invalid(format!(
+                "set {name}: expected {}, got {}",
+                t.ty(),
+                value.ty()
+            )));
+        }
+        t.assign(&Tensor::from_host(value)?)
+    }
+
+    /// Copies every variable's value from `other` (same names, types).
+    pub fn copy_from(&self, other: &ParamStore) -> Result<()> {
+        for (name, t) in other.vars() {
+            self.set(&name, &t.to_host()?)?;
+        }
+        Ok(())
+    }
+}
+
+/// A position in a [`ParamStore`]'s name hierarchy.
+#[derive(Clone, Debug)]
+pub struct Path {
+    store: ParamStore,
+    prefix: String,
+}
+
+impl Path {
+    /// The child path `self.name`.
+    pub fn sub(&self, name: impl std::fmt::Display) -> Path {
+        Path {
+            store: self.store.clone(),
+            prefix: self.join(&name.to_string()),
+        }
+    }
+
+    fn join(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    /// The dotted prefix of this path.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// A new trainable `f32` parameter.
+    pub fn param(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        self.store
+            .create(self.join(name), shape, init, VarKind::Parameter, DType::F32)
+    }
+
+    /// A new non-trainable variable (a buffer, e.g. running statistics).
+    pub fn buffer(&self, name: &str, shape: &[usize], init: Init, dtype: DType) -> Result<Tensor> {
+        self.store
+            .create(self.join(name), shape, init, VarKind::Buffer, dtype)
+    }
+}
+
+impl<T: std::fmt::Display> std::ops::Div<T> for &Path {
+    type Output = Path;
+    fn div(self, rhs: T) -> Path {
+        self.sub(rhs)
+    }
+}

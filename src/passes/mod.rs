@@ -1,0 +1,40 @@
+//! Graph-to-graph passes. Each does one thing and is tested alone; [`run_passes`] composes them
+//! to a fixpoint (luminal's `Looped` compilers, without the tuples).
+
+mod cse;
+mod dce;
+mod dedup;
+
+pub use cse::Cse;
+pub use dce::Dce;
+pub use dedup::{dedup_outputs, OutputSource};
+
+use crate::error::Result;
+use crate::ir::Graph;
+
+/// A graph rewrite.
+pub trait Pass {
+    /// Name, for logs.
+    fn name(&self) -> &'static str;
+    /// Rewrites `graph` in place; returns whether anything changed.
+    fn run(&self, graph: &mut Graph) -> Result<bool>;
+}
+
+/// Runs `passes` in order, repeatedly, until none changes the graph (at most `max_rounds`).
+pub fn run_passes(graph: &mut Graph, passes: &[&dyn Pass], max_rounds: usize) -> Result<()> {
+    for _ in 0..max_rounds {
+        let mut changed = false;
+        for p in passes {
+            changed |= p.run(graph)?;
+        }
+        if !changed {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// The standard clean-up: CSE then DCE, to a fixpoint.
+pub fn simplify(graph: &mut Graph) -> Result<()> {
+    run_passes(graph, &[&Cse, &Dce], 4)
+}
