@@ -77,7 +77,7 @@ fn main() -> kiln::Result<()> {
         mx * 1e6,
         me / mx
     );
-    println!("stats: {:?}", f.stats());
+    println!("stats: {}", f.stats());
     if max_diff > 1e-5 {
         return Err(kiln::Error::Invalid(format!(
             "eager and XLA differ by {max_diff}"
