@@ -73,7 +73,11 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Loads an executable that [`Backend::serialize_executable`] produced for `graph`;
     /// `None` if this backend cannot.
-    fn deserialize_executable(&self, graph: &Graph, bytes: &[u8]) -> Result<Option<Self::Executable>> {
+    fn deserialize_executable(
+        &self,
+        graph: &Graph,
+        bytes: &[u8],
+    ) -> Result<Option<Self::Executable>> {
         let _ = (graph, bytes);
         Ok(None)
     }
