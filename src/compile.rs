@@ -238,7 +238,9 @@ impl<B: Backend> CompiledFn<B> {
                 OutputSource::Output(j) => Tensor::from_host(&self.rt.download(&outs[j])?)?,
                 OutputSource::Input(i) => match &program.bindings[i] {
                     Binding::Data(d) => inputs[*d].clone(),
-                    Binding::Var(t) => Tensor::from_host(&self.rt.download(self.rt.var_buffer(t)?)?)?,
+                    Binding::Var(t) => {
+                        Tensor::from_host(&self.rt.download(self.rt.var_buffer(t)?)?)?
+                    }
                     Binding::RngKey => match &key {
                         Some(k) => Tensor::from_host(k)?,
                         None => return Err(Error::Invalid("internal: rng key not bound".into())),

@@ -42,7 +42,7 @@ pub mod runtime;
 pub mod trace;
 
 pub use compile::{compile, compile_with, CompiledFn, Program, TraceMode};
-pub use runtime::{Runtime, Stats};
 pub use error::{Error, Result};
 pub use ir::{DType, Shape, TensorType};
+pub use runtime::{Runtime, Stats};
 pub use trace::{trace, Tensor};

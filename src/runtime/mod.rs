@@ -72,7 +72,8 @@ impl<B: Backend> Runtime<B> {
 
     /// The executable for `graph`: cached in memory, on disk, or compiled now.
     pub fn executable(&self, graph: &Graph, fp: Fingerprint) -> Result<Arc<B::Executable>> {
-        self.cache.get_or_compile(&self.backend, graph, fp, &self.metrics)
+        self.cache
+            .get_or_compile(&self.backend, graph, fp, &self.metrics)
     }
 
     /// Copies a host tensor to the device.
