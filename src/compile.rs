@@ -7,6 +7,7 @@ use crate::passes::{dedup_outputs, simplify, OutputSource};
 use crate::runtime::{Runtime, Stats};
 use crate::trace::{trace, Binding, Tensor, Traced};
 use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -94,13 +95,14 @@ impl Program {
 }
 
 type UserFn = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>>;
+type Prepared<B> = (Rc<Program>, Arc<<B as Backend>::Executable>);
 
 /// A function compiled for a backend; see [`compile`].
 pub struct CompiledFn<B: Backend> {
     rt: Runtime<B>,
     f: UserFn,
     mode: TraceMode,
-    programs: HashMap<Vec<TensorType>, (Arc<Program>, Arc<B::Executable>)>,
+    programs: HashMap<Vec<TensorType>, Prepared<B>>,
     rng: (u32, u32),
 }
 
@@ -177,7 +179,7 @@ impl<B: Backend> CompiledFn<B> {
         self.programs.get(signature).map(|p| p.0.as_ref())
     }
 
-    fn prepare(&mut self, signature: &[TensorType]) -> Result<(Arc<Program>, Arc<B::Executable>)> {
+    fn prepare(&mut self, signature: &[TensorType]) -> Result<Prepared<B>> {
         if self.mode == TraceMode::Once {
             if let Some((p, e)) = self.programs.get(signature) {
                 return Ok((p.clone(), e.clone()));
@@ -185,7 +187,7 @@ impl<B: Backend> CompiledFn<B> {
         }
         let t0 = Instant::now();
         let traced = trace(signature, |xs| (self.f)(xs))?;
-        let program = Arc::new(Program::new(traced)?);
+        let program = Rc::new(Program::new(traced)?);
         self.rt.metrics().traced(t0.elapsed());
         let exe = self.rt.executable(&program.graph, program.fingerprint)?;
         self.programs

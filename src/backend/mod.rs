@@ -65,6 +65,13 @@ pub trait Backend: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Has `b` been consumed by an execution that donated it (its memory now belongs to an
+    /// output)? Backends without donation return `false`.
+    fn is_donated(&self, b: &Self::Buffer) -> Result<bool> {
+        let _ = b;
+        Ok(false)
+    }
+
     /// Serializes a compiled executable for an on-disk cache; `None` if this backend cannot.
     fn serialize_executable(&self, exe: &Self::Executable) -> Result<Option<Vec<u8>>> {
         let _ = exe;

@@ -21,6 +21,7 @@ pub struct Metrics {
     d2h_transfers: AtomicU64,
     d2h_bytes: AtomicU64,
     syncs: AtomicU64,
+    donated: AtomicU64,
 }
 
 /// A snapshot of [`Metrics`]. Counts are totals since the runtime was created; subtract two
@@ -57,6 +58,9 @@ pub struct Stats {
     pub d2h_bytes: u64,
     /// Times the host waited for the device (each device→host read is one).
     pub syncs: u64,
+    /// Variable buffers that an execution consumed by donation (updated in place), as the
+    /// backend reports it.
+    pub donated: u64,
 }
 
 impl Stats {
@@ -78,6 +82,7 @@ impl Stats {
             d2h_transfers: self.d2h_transfers - earlier.d2h_transfers,
             d2h_bytes: self.d2h_bytes - earlier.d2h_bytes,
             syncs: self.syncs - earlier.syncs,
+            donated: self.donated - earlier.donated,
         }
     }
 }
@@ -86,7 +91,7 @@ impl std::fmt::Display for Stats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "traces {} ({:.1} ms), compiles {} ({:.2} s), cache hits {} / misses {}, disk hits {} / writes {} / rejected {}, executions {}, h2d {} ({} B), d2h {} ({} B), syncs {}",
+            "traces {} ({:.1} ms), compiles {} ({:.2} s), cache hits {} / misses {}, disk hits {} / writes {} / rejected {}, executions {}, h2d {} ({} B), d2h {} ({} B), syncs {}, donated {}",
             self.traces,
             self.trace_time.as_secs_f64() * 1e3,
             self.compiles,
@@ -101,7 +106,8 @@ impl std::fmt::Display for Stats {
             self.h2d_bytes,
             self.d2h_transfers,
             self.d2h_bytes,
-            self.syncs
+            self.syncs,
+            self.donated
         )
     }
 }
@@ -149,6 +155,9 @@ impl Metrics {
     pub(crate) fn synced(&self) {
         add(&self.syncs, 1);
     }
+    pub(crate) fn donation(&self) {
+        add(&self.donated, 1);
+    }
 
     /// A consistent-enough snapshot of all counters.
     pub fn snapshot(&self) -> Stats {
@@ -169,6 +178,7 @@ impl Metrics {
             d2h_transfers: g(&self.d2h_transfers),
             d2h_bytes: g(&self.d2h_bytes),
             syncs: g(&self.syncs),
+            donated: g(&self.donated),
         }
     }
 }

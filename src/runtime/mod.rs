@@ -144,6 +144,11 @@ impl<B: Backend> Runtime<B> {
     /// Replaces the device copy of `var` by `buffer` (a newer value computed on the device).
     pub fn replace_var(&mut self, var: &Tensor, buffer: B::Buffer) -> Result<()> {
         let id = var_id(var)?;
+        if let Some(old) = self.vars.get(&id) {
+            if self.backend.is_donated(&old.buffer)? {
+                self.metrics.donation();
+            }
+        }
         self.vars.insert(
             id,
             Resident {

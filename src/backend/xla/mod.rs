@@ -263,6 +263,10 @@ impl Backend for XlaBackend {
         b.buffer.ready()
     }
 
+    fn is_donated(&self, b: &XlaBuffer) -> Result<bool> {
+        b.buffer.is_deleted()
+    }
+
     fn serialize_executable(&self, exe: &XlaExecutable) -> Result<Option<Vec<u8>>> {
         Ok(Some(self.serialize(exe)?))
     }
