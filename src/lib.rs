@@ -11,6 +11,7 @@
 //! - [`backend`]: the [`backend::Backend`] trait; `eager` (tch interpreter) and `xla` (PJRT).
 //! - [`compile()`]: the entry point: trace once per input signature, compile, replay.
 //! - [`nn`]: modules and the [`nn::ParamStore`].
+//! - [`zoo`]: the benchmark models; [`bench`]: the benchmark harness (the `bench` example).
 //!
 //! ```no_run
 //! use kiln::backend::xla::XlaBackend;
@@ -33,6 +34,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod bench;
 pub mod compile;
 pub mod error;
 pub mod ir;
@@ -40,6 +42,7 @@ pub mod nn;
 pub mod passes;
 pub mod runtime;
 pub mod trace;
+pub mod zoo;
 
 pub use compile::{compile, compile_with, CompiledFn, Program, TraceMode};
 pub use error::{Error, Result};

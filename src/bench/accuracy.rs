@@ -1,0 +1,215 @@
+//! The accuracy check: a compiled result against the eager one.
+
+/// When a compiled result counts as equal to the eager one.
+///
+/// A result passes when it is `allclose` (`|c - e| <= atol + rtol·|e|` for every element) **or**
+/// when the cosine similarity of the two flattened results is at least `min_cosine` (the seeds'
+/// `--cosine` criterion, which forgives a few ill-conditioned elements). A non-finite value in
+/// the compiled result where the eager one is finite always fails.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tolerance {
+    /// Relative tolerance of `allclose`.
+    pub rtol: f64,
+    /// Absolute tolerance of `allclose`.
+    pub atol: f64,
+    /// Minimum cosine similarity.
+    pub min_cosine: f64,
+}
+
+impl Tolerance {
+    /// Inference outputs: `allclose(rtol = 1e-3, atol = 1e-3)` or cosine ≥ 0.999.
+    pub const INFERENCE: Tolerance = Tolerance {
+        rtol: 1e-3,
+        atol: 1e-3,
+        min_cosine: 0.999,
+    };
+
+    /// Training: the loss after the warm-up steps, `allclose(rtol = 1e-2, atol = 1e-3)` (a
+    /// scalar, so no cosine). Float32 sums in a different order drift a little more over several
+    /// steps than one forward pass does.
+    pub const TRAINING: Tolerance = Tolerance {
+        rtol: 1e-2,
+        atol: 1e-3,
+        min_cosine: f64::INFINITY,
+    };
+
+    /// One line stating the criterion, for the report's footer.
+    pub fn describe(&self) -> String {
+        if self.min_cosine.is_finite() {
+            format!(
+                "allclose(rtol={:e}, atol={:e}) or cosine >= {}",
+                self.rtol, self.atol, self.min_cosine
+            )
+        } else {
+            format!("allclose(rtol={:e}, atol={:e})", self.rtol, self.atol)
+        }
+    }
+}
+
+/// The outcome of one accuracy check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AccuracyStatus {
+    /// Within tolerance.
+    Pass,
+    /// Outside tolerance (the seeds' `fail_accuracy`).
+    Fail,
+    /// Two eager runs of the same inputs disagreed, so eager is no reference (the seeds'
+    /// `eager_variation`).
+    EagerVariation,
+}
+
+impl std::fmt::Display for AccuracyStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AccuracyStatus::Pass => "pass",
+            AccuracyStatus::Fail => "FAIL",
+            AccuracyStatus::EagerVariation => "eager_variation",
+        })
+    }
+}
+
+/// A compiled result compared with the eager one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Accuracy {
+    /// Pass or fail.
+    pub status: AccuracyStatus,
+    /// The largest `|compiled - eager|` over the elements (worst over all checks).
+    pub max_abs_diff: f64,
+    /// The cosine similarity (worst over all checks).
+    pub cosine: f64,
+}
+
+impl Accuracy {
+    /// Did it pass?
+    pub fn passed(&self) -> bool {
+        self.status == AccuracyStatus::Pass
+    }
+
+    /// The worse of two checks (a fail wins; the larger difference and smaller cosine are kept).
+    pub fn merge(self, other: Accuracy) -> Accuracy {
+        let rank = |s: AccuracyStatus| match s {
+            AccuracyStatus::Pass => 0,
+            AccuracyStatus::Fail => 1,
+            AccuracyStatus::EagerVariation => 2,
+        };
+        Accuracy {
+            status: if rank(other.status) > rank(self.status) {
+                other.status
+            } else {
+                self.status
+            },
+            max_abs_diff: nan_max(self.max_abs_diff, other.max_abs_diff),
+            cosine: nan_min(self.cosine, other.cosine),
+        }
+    }
+}
+
+fn nan_max(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+fn nan_min(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.min(b)
+    }
+}
+
+/// Compares a compiled result with the eager one under `tol`.
+pub fn compare(eager: &[f64], compiled: &[f64], tol: &Tolerance) -> Accuracy {
+    if eager.len() != compiled.len() {
+        return Accuracy {
+            status: AccuracyStatus::Fail,
+            max_abs_diff: f64::NAN,
+            cosine: f64::NAN,
+        };
+    }
+    let mut max_abs = 0.0f64;
+    let mut close = true;
+    let mut finite_ok = true;
+    let (mut dot, mut ne, mut nc) = (0.0f64, 0.0f64, 0.0f64);
+    for (&e, &c) in eager.iter().zip(compiled) {
+        if e.is_finite() && !c.is_finite() {
+            finite_ok = false;
+        }
+        let same_special = (e.is_nan() && c.is_nan()) || (e.is_infinite() && e == c);
+        if same_special {
+            continue;
+        }
+        let d = (c - e).abs();
+        max_abs = nan_max(max_abs, d);
+        if !(d <= tol.atol + tol.rtol * e.abs()) {
+            close = false;
+        }
+        if e.is_finite() && c.is_finite() {
+            dot += e * c;
+            ne += e * e;
+            nc += c * c;
+        }
+    }
+    let cosine = if ne == 0.0 && nc == 0.0 {
+        1.0
+    } else if ne == 0.0 || nc == 0.0 {
+        0.0
+    } else {
+        dot / (ne.sqrt() * nc.sqrt())
+    };
+    let pass = finite_ok && (close || cosine >= tol.min_cosine);
+    Accuracy {
+        status: if pass {
+            AccuracyStatus::Pass
+        } else {
+            AccuracyStatus::Fail
+        },
+        max_abs_diff: max_abs,
+        cosine,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allclose_and_cosine() {
+        let t = Tolerance::INFERENCE;
+        let a = compare(&[1.0, 2.0, 3.0], &[1.0005, 2.0, 3.002], &t);
+        assert!(a.passed(), "{a:?}");
+        assert!((a.max_abs_diff - 0.002).abs() < 1e-12);
+        // Not allclose, but the direction is the same: cosine rescues it.
+        let big: Vec<f64> = (0..1000).map(|i| i as f64).collect();
+        let mut off = big.clone();
+        off[1] += 0.5;
+        assert!(compare(&big, &off, &t).passed());
+        // Wrong values fail.
+        assert!(!compare(&[1.0, 2.0], &[2.0, 1.0], &t).passed());
+        // Shape mismatch fails.
+        assert!(!compare(&[1.0], &[1.0, 2.0], &t).passed());
+        // NaN where eager is finite fails.
+        assert!(!compare(&[1.0, 2.0], &[1.0, f64::NAN], &t).passed());
+        // NaN in both at the same place is fine.
+        assert!(compare(&[1.0, f64::NAN], &[1.0, f64::NAN], &t).passed());
+    }
+
+    #[test]
+    fn training_tolerance_is_scalar() {
+        let t = Tolerance::TRAINING;
+        assert!(compare(&[2.0], &[2.01], &t).passed());
+        assert!(!compare(&[2.0], &[2.1], &t).passed());
+        assert!(t.describe().starts_with("allclose"));
+    }
+
+    #[test]
+    fn merge_keeps_the_worst() {
+        let p = compare(&[1.0], &[1.0], &Tolerance::INFERENCE);
+        let f = compare(&[1.0], &[3.0], &Tolerance::INFERENCE);
+        assert_eq!(p.merge(f).status, AccuracyStatus::Fail);
+        assert_eq!(f.merge(p).status, AccuracyStatus::Fail);
+        assert_eq!(p.merge(f).max_abs_diff, 2.0);
+    }
+}

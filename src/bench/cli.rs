@@ -1,0 +1,349 @@
+//! The benchmark's command line (the `bench` example, and the `main` of user-model scratch
+//! crates). `cargo run --release --example bench -- --help` explains every flag.
+
+use super::user::{forward_args, run_user_model, ModelSpec};
+use super::{
+    default_models, run_sources, BackendRegistry, BenchOptions, Experiment, ModelSource,
+    TrainGraphs,
+};
+use crate::compile::TraceMode;
+use crate::error::{Error, Result};
+use crate::nn::ParamStore;
+use crate::zoo::{self, Model};
+use clap::{Parser, ValueEnum};
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Which trace modes to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ModeArg {
+    /// Trace once per input signature, then replay (column "XLA (trace once)").
+    Once,
+    /// Trace every call, look the executable up by graph fingerprint (column "XLA (trace
+    /// everytime)").
+    Every,
+    /// Both columns.
+    Both,
+}
+
+const AFTER_HELP: &str = "\
+Method (the seeds' torchbench.py): warm-up calls are excluded from the timings (a variant's
+first call, which traces and compiles, is reported as `compile s`); eager and compiled
+repetitions are interleaved, each timed over --iterations-per-run iterations with one sync at
+the end; speedup = median(eager) / median(compiled), with the p-value of Welch's t-test (SAME:
+p > 0.1); a geomean row closes the table. Accuracy: each compiled result is checked against
+eager: inference outputs allclose(rtol=1e-3, atol=1e-3) or cosine >= 0.999; training: the loss
+after the warm-up steps (from the same initial parameters) allclose(rtol=1e-2, atol=1e-3).
+
+User models: --only path:FILE,class:NAME builds a scratch crate that includes FILE (a Rust file
+defining `NAME: kiln::zoo::Model` with `fn new(store: &kiln::nn::ParamStore) ->
+kiln::Result<NAME>`), sharing kiln's target directory, and runs it with the other flags. See
+benches/user_models/linear_model.rs.
+
+Examples:
+  cargo run --release --example bench                         # default subset, inference
+  cargo run --release --example bench -- --training           # default subset, training
+  cargo run --release --example bench -- --only resnet18,bert --repeat 5 --csv out.csv
+  cargo run --release --example bench -- --accuracy --all
+  cargo run --release --example bench -- --only path:my_model.rs,class:MyModel --backend eager";
+
+/// kiln's benchmark harness: eager (libtorch) against compiled (trace once / trace every call)
+/// on the model zoo or on your own model, with the seeds' method and table.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "bench", version, after_long_help = AFTER_HELP)]
+pub struct Cli {
+    /// Measure speedups over eager (the default experiment).
+    #[arg(long, conflicts_with = "accuracy")]
+    pub performance: bool,
+
+    /// Only check compiled results against eager (eager twice, to detect eager variation; no
+    /// timing). Exits with status 1 if a check fails.
+    #[arg(long)]
+    pub accuracy: bool,
+
+    /// Benchmark training steps (forward, loss, backward, SGD update) instead of inference.
+    #[arg(long)]
+    pub training: bool,
+
+    /// The compiled backend: `xla` (PJRT), `eager` (kiln's graph interpreter on libtorch), or a
+    /// name registered through kiln::bench::BackendRegistry.
+    #[arg(long, default_value = "xla", value_name = "NAME")]
+    pub backend: String,
+
+    /// Trace once per input signature, trace every call, or both (two columns).
+    #[arg(long, value_enum, default_value_t = ModeArg::Both)]
+    pub mode: ModeArg,
+
+    /// Training: measure split steps (forward, backward and optimizer executables). With
+    /// neither --split nor --fused, both are measured as separate columns.
+    #[arg(long)]
+    pub split: bool,
+
+    /// Training: measure fused steps (one executable for forward, backward and update).
+    #[arg(long)]
+    pub fused: bool,
+
+    /// Iterations in each timed run, with one sync (result read back) at its end.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub iterations_per_run: usize,
+
+    /// Fresh seeded random inputs for every repetition (integer inputs such as token ids are
+    /// kept); inference results are checked against eager on each.
+    #[arg(long)]
+    pub randomize_input: bool,
+
+    /// Timed repetitions (each: one eager run, then one run of each variant).
+    #[arg(long, default_value_t = 10, value_name = "N")]
+    pub repeat: usize,
+
+    /// Warm-up calls per contender, excluded from the timings (training: at least 2).
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    pub warmup: usize,
+
+    /// Batch size (default: 2 for `linear`, as in the seeds, 4 for the others).
+    #[arg(long, value_name = "N")]
+    pub batch_size: Option<usize>,
+
+    /// Zoo models to run, comma-separated, or a model in your own Rust file:
+    /// `path:FILE,class:NAME` (FILE relative to the current directory or absolute).
+    #[arg(long, value_name = "NAMES | path:FILE,class:NAME")]
+    pub only: Option<String>,
+
+    /// Run the whole zoo (default: a representative subset that finishes in a few minutes on
+    /// 2 cores).
+    #[arg(long, conflicts_with = "only")]
+    pub all: bool,
+
+    /// Also write the table as CSV (one row per model, the table's columns plus detail
+    /// columns).
+    #[arg(long, value_name = "FILE")]
+    pub csv: Option<PathBuf>,
+
+    /// Seed of parameters and inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Learning rate of the training steps (SGD).
+    #[arg(long, default_value_t = 0.01)]
+    pub lr: f64,
+
+    /// No progress on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+
+    /// List the zoo, the default subset and the backends, then exit.
+    #[arg(long)]
+    pub list: bool,
+}
+
+impl Cli {
+    /// The options these flags give.
+    pub fn options(&self) -> BenchOptions {
+        let modes = match self.mode {
+            ModeArg::Once => vec![TraceMode::Once],
+            ModeArg::Every => vec![TraceMode::EveryCall],
+            ModeArg::Both => vec![TraceMode::Once, TraceMode::EveryCall],
+        };
+        let train_graphs = match (self.split, self.fused) {
+            (true, false) => vec![TrainGraphs::Split],
+            (false, true) => vec![TrainGraphs::Fused],
+            _ => vec![TrainGraphs::Split, TrainGraphs::Fused],
+        };
+        BenchOptions {
+            experiment: if self.accuracy {
+                Experiment::Accuracy
+            } else {
+                Experiment::Performance
+            },
+            training: self.training,
+            backend: self.backend.clone(),
+            modes,
+            train_graphs,
+            iterations_per_run: self.iterations_per_run,
+            randomize_input: self.randomize_input,
+            repeat: self.repeat,
+            warmup: self.warmup,
+            batch_size: self.batch_size,
+            seed: self.seed,
+            lr: self.lr,
+            tolerance: None,
+            progress: !self.quiet,
+        }
+    }
+}
+
+/// Runs the report for `sources`, prints it, writes the CSV; the exit code.
+fn report_and_exit(
+    cli: &Cli,
+    sources: Vec<ModelSource>,
+    registry: &BackendRegistry,
+) -> Result<ExitCode> {
+    let opts = cli.options();
+    let report = run_sources(sources, &opts, registry)?;
+    print!("{report}");
+    if let Some(path) = &cli.csv {
+        report.write_csv(path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    let all_failed = report
+        .rows
+        .iter()
+        .all(|r| r.error.is_some() || r.results.iter().all(|v| v.error.is_some()));
+    Ok(
+        if all_failed || (opts.experiment == Experiment::Accuracy && !report.all_passed()) {
+            ExitCode::FAILURE
+        } else {
+            ExitCode::SUCCESS
+        },
+    )
+}
+
+fn exit_with(r: Result<ExitCode>) -> ExitCode {
+    match r {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn list(registry: &BackendRegistry) {
+    println!("zoo models: {}", zoo::NAMES.join(", "));
+    println!("default subset: {}", default_models().join(", "));
+    println!("backends: {}", registry.names().join(", "));
+}
+
+/// The `bench` example's `main`: the zoo (or `--only path:`) with the built-in backends.
+pub fn main() -> ExitCode {
+    main_with(BackendRegistry::with_builtins())
+}
+
+/// Like [`main`], with your own backends (`--backend NAME` picks one of `registry`).
+pub fn main_with(registry: BackendRegistry) -> ExitCode {
+    let args: Vec<OsString> = std::env::args_os().collect();
+    let cli = Cli::parse_from(&args);
+    exit_with(run_cli(&cli, &args[1..], &registry))
+}
+
+/// Runs parsed flags: `args` are the raw arguments (without the program name), forwarded to a
+/// user-model build.
+pub fn run_cli(cli: &Cli, args: &[OsString], registry: &BackendRegistry) -> Result<ExitCode> {
+    if cli.list {
+        list(registry);
+        return Ok(ExitCode::SUCCESS);
+    }
+    // Fail fast on a bad backend name, before building anything.
+    registry.get(&cli.backend)?;
+    let names: Vec<String> = match cli.only.as_deref().map(ModelSpec::parse).transpose()? {
+        Some(ModelSpec::User(spec)) => {
+            let status = run_user_model(&spec, &forward_args(args))?;
+            return Ok(match status.code() {
+                Some(0) => ExitCode::SUCCESS,
+                Some(c) => ExitCode::from(u8::try_from(c).unwrap_or(1)),
+                None => ExitCode::FAILURE,
+            });
+        }
+        Some(ModelSpec::Zoo(names)) => {
+            let unknown: Vec<&String> = names
+                .iter()
+                .filter(|n| !zoo::NAMES.contains(&n.as_str()))
+                .collect();
+            if !unknown.is_empty() {
+                return Err(Error::Invalid(format!(
+                    "unknown zoo model(s) {}; known: {} (or --only path:FILE,class:NAME)",
+                    unknown
+                        .iter()
+                        .map(|n| format!("{n:?}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    zoo::NAMES.join(", ")
+                )));
+            }
+            names
+        }
+        None if cli.all => zoo::NAMES.iter().map(|s| s.to_string()).collect(),
+        None => default_models().iter().map(|s| s.to_string()).collect(),
+    };
+    let sources = names
+        .iter()
+        .map(|n| ModelSource::zoo(n, cli.seed))
+        .collect();
+    report_and_exit(cli, sources, registry)
+}
+
+/// The `main` of a user-model scratch crate (see [`crate::bench::user`]): benchmarks the one
+/// model `make` builds (named `class` if it fails to build), with the command-line flags.
+pub fn user_main<F>(class: &str, make: F) -> ExitCode
+where
+    F: FnOnce(&ParamStore) -> Result<Box<dyn Model>> + 'static,
+{
+    let cli = Cli::parse();
+    if cli.only.is_some() || cli.all {
+        eprintln!("error: --only/--all select zoo models; this binary benchmarks {class}");
+        return ExitCode::FAILURE;
+    }
+    if cli.list {
+        list(&BackendRegistry::with_builtins());
+        return ExitCode::SUCCESS;
+    }
+    let seed = cli.seed;
+    let source = ModelSource::new(class, move || make(&ParamStore::with_seed(seed)));
+    exit_with(report_and_exit(
+        &cli,
+        vec![source],
+        &BackendRegistry::with_builtins(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults_match_bench_options() {
+        let cli = Cli::parse_from(["bench"]);
+        let o = cli.options();
+        let d = BenchOptions {
+            progress: true,
+            ..BenchOptions::default()
+        };
+        assert_eq!(format!("{o:?}"), format!("{d:?}"));
+    }
+
+    #[test]
+    fn flags_map_to_options() {
+        let cli = Cli::parse_from([
+            "bench",
+            "--training",
+            "--fused",
+            "--mode",
+            "once",
+            "--iterations-per-run",
+            "4",
+            "--randomize-input",
+            "--repeat",
+            "7",
+            "--batch-size",
+            "8",
+            "--accuracy",
+        ]);
+        let o = cli.options();
+        assert!(o.training && o.randomize_input);
+        assert_eq!(o.experiment, Experiment::Accuracy);
+        assert_eq!(o.modes, vec![TraceMode::Once]);
+        assert_eq!(o.train_graphs, vec![TrainGraphs::Fused]);
+        assert_eq!((o.iterations_per_run, o.repeat), (4, 7));
+        assert_eq!(o.batch_size, Some(8));
+        assert!(Cli::try_parse_from(["bench", "--accuracy", "--performance"]).is_err());
+        assert!(Cli::try_parse_from(["bench", "--all", "--only", "linear"]).is_err());
+        assert!(Cli::try_parse_from(["bench", "--mode", "sometimes"]).is_err());
+    }
+}

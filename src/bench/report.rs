@@ -1,0 +1,455 @@
+//! The report: rows per model, the seeds' table layout and CSV.
+
+use super::accuracy::{Accuracy, Tolerance};
+use super::stats::{geomean, SAME_THRESHOLD};
+use super::{Experiment, Variant};
+use crate::error::{Error, Result};
+use crate::runtime::Stats;
+use std::path::Path;
+
+/// One variant (column) of one model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VariantResult {
+    /// What was measured.
+    pub variant: Variant,
+    /// `median(eager) / median(this)`.
+    pub speedup: Option<f64>,
+    /// Welch's t-test p-value of eager vs this.
+    pub p_value: Option<f64>,
+    /// Median milliseconds per iteration.
+    pub median_ms: Option<f64>,
+    /// Wall seconds of the first call (trace + compile + one run).
+    pub compile_s: Option<f64>,
+    /// The accuracy check (worst over all checks).
+    pub accuracy: Option<Accuracy>,
+    /// The runtime counters at the end (traces, compiles, executions, transfers...).
+    pub stats: Option<Stats>,
+    /// Why this variant has no result.
+    pub error: Option<String>,
+}
+
+impl VariantResult {
+    pub(crate) fn new(variant: Variant) -> Self {
+        VariantResult {
+            variant,
+            speedup: None,
+            p_value: None,
+            median_ms: None,
+            compile_s: None,
+            accuracy: None,
+            stats: None,
+            error: None,
+        }
+    }
+}
+
+/// One model's results.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelRow {
+    /// The model's name.
+    pub model: String,
+    /// The batch size it ran at.
+    pub batch_size: usize,
+    /// Eager's median milliseconds per iteration.
+    pub eager_ms: Option<f64>,
+    /// Why the model has no result at all (it failed to build or to run eagerly).
+    pub error: Option<String>,
+    /// One entry per variant, in [`Report::variants`] order.
+    pub results: Vec<VariantResult>,
+}
+
+/// One column of the table (and of the CSV).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Column {
+    /// The heading.
+    pub header: String,
+    /// Is it drawn in the table (every column is in the CSV)?
+    pub in_table: bool,
+    /// Right-aligned in the table?
+    pub numeric: bool,
+}
+
+/// The result of a benchmark run. `Display` draws the seeds' table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Report {
+    /// Performance or accuracy.
+    pub experiment: Experiment,
+    /// Training steps (else inference).
+    pub training: bool,
+    /// The backend's label (`XLA`).
+    pub backend: String,
+    /// The columns measured.
+    pub variants: Vec<Variant>,
+    /// One row per model, in the order run.
+    pub rows: Vec<ModelRow>,
+    /// The accuracy criterion.
+    pub tolerance: Tolerance,
+    /// Iterations per timed run.
+    pub iterations_per_run: usize,
+    /// Timed repetitions.
+    pub repeat: usize,
+    /// Warm-up calls.
+    pub warmup: usize,
+    /// Were inputs randomized per repetition?
+    pub randomize_input: bool,
+}
+
+fn fmt_opt(v: Option<f64>, prec: usize) -> String {
+    match v {
+        Some(x) => format!("{x:.prec$}"),
+        None => String::new(),
+    }
+}
+
+fn speedup_cell(r: &VariantResult) -> String {
+    if r.error.is_some() {
+        return "ERROR".into();
+    }
+    match (r.speedup, r.p_value) {
+        (Some(s), Some(p)) if p > SAME_THRESHOLD => format!("{s:.3}x SAME p={p:.2}"),
+        (Some(s), Some(p)) => format!("{s:.3}x p={p:.2}"),
+        (Some(s), None) => format!("{s:.3}x"),
+        _ => String::new(),
+    }
+}
+
+fn accuracy_cell(r: &VariantResult) -> String {
+    if r.error.is_some() {
+        return "fail_to_run".into();
+    }
+    match &r.accuracy {
+        Some(a) => format!("{} (max|Δ| {:.1e})", a.status, a.max_abs_diff),
+        None => String::new(),
+    }
+}
+
+impl Report {
+    /// The column headings of this report's table and CSV.
+    pub fn columns(&self) -> Vec<Column> {
+        let col = |h: String, in_table: bool, numeric: bool| Column {
+            header: h,
+            in_table,
+            numeric,
+        };
+        let mut c = vec![col("Model".into(), true, false)];
+        match self.experiment {
+            Experiment::Performance => {
+                for v in &self.variants {
+                    c.push(col(v.label(&self.backend), true, true));
+                }
+                c.push(col("eager ms".into(), true, true));
+                for v in &self.variants {
+                    c.push(col(format!("compile s ({})", v.short()), true, true));
+                }
+                c.push(col("accuracy".into(), true, false));
+                c.push(col("batch size".into(), false, true));
+                for v in &self.variants {
+                    let s = v.short();
+                    c.push(col(format!("p ({s})"), false, true));
+                    c.push(col(format!("ms ({s})"), false, true));
+                    c.push(col(format!("max abs diff ({s})"), false, true));
+                    c.push(col(format!("traces ({s})"), false, true));
+                    c.push(col(format!("compiles ({s})"), false, true));
+                }
+            }
+            Experiment::Accuracy => {
+                for v in &self.variants {
+                    c.push(col(v.label(&self.backend), true, false));
+                }
+                c.push(col("batch size".into(), false, true));
+                for v in &self.variants {
+                    c.push(col(format!("max abs diff ({})", v.short()), false, true));
+                    c.push(col(format!("cosine ({})", v.short()), false, true));
+                }
+            }
+        }
+        c
+    }
+
+    /// One model's cells, `(table text, CSV value)` per column of [`Report::columns`].
+    fn cells(&self, row: &ModelRow) -> Vec<(String, String)> {
+        let same = |s: String| (s.clone(), s);
+        let mut out = vec![same(row.model.clone())];
+        let results = &row.results;
+        let model_err = row.error.is_some();
+        match self.experiment {
+            Experiment::Performance => {
+                for r in results {
+                    let table = if model_err {
+                        "ERROR".into()
+                    } else {
+                        speedup_cell(r)
+                    };
+                    let csv = if r.error.is_some() || model_err {
+                        "ERROR".into()
+                    } else {
+                        fmt_opt(r.speedup, 4)
+                    };
+                    out.push((table, csv));
+                }
+                out.push((fmt_opt(row.eager_ms, 3), fmt_opt(row.eager_ms, 5)));
+                for r in results {
+                    out.push((fmt_opt(r.compile_s, 2), fmt_opt(r.compile_s, 4)));
+                }
+                out.push(same(self.accuracy_summary(row)));
+                out.push(same(row.batch_size.to_string()));
+                for r in results {
+                    out.push(same(fmt_opt(r.p_value, 4)));
+                    out.push(same(fmt_opt(r.median_ms, 5)));
+                    out.push(same(
+                        r.accuracy
+                            .map(|a| format!("{:.3e}", a.max_abs_diff))
+                            .unwrap_or_default(),
+                    ));
+                    let st = r.stats.as_ref();
+                    out.push(same(st.map(|s| s.traces.to_string()).unwrap_or_default()));
+                    out.push(same(st.map(|s| s.compiles.to_string()).unwrap_or_default()));
+                }
+            }
+            Experiment::Accuracy => {
+                for r in results {
+                    let s = if model_err {
+                        "fail_to_run".into()
+                    } else {
+                        accuracy_cell(r)
+                    };
+                    let csv = if model_err || r.error.is_some() {
+                        "fail_to_run".into()
+                    } else {
+                        r.accuracy.map(|a| a.status.to_string()).unwrap_or_default()
+                    };
+                    out.push((s, csv));
+                }
+                out.push(same(row.batch_size.to_string()));
+                for r in results {
+                    out.push(same(
+                        r.accuracy
+                            .map(|a| format!("{:.3e}", a.max_abs_diff))
+                            .unwrap_or_default(),
+                    ));
+                    out.push(same(
+                        r.accuracy
+                            .map(|a| format!("{:.7}", a.cosine))
+                            .unwrap_or_default(),
+                    ));
+                }
+            }
+        }
+        out
+    }
+
+    /// `pass` when every variant passed, else the failing variants.
+    fn accuracy_summary(&self, row: &ModelRow) -> String {
+        if row.error.is_some() {
+            return "fail_to_run".into();
+        }
+        let mut bad = Vec::new();
+        for r in &row.results {
+            let s = r.variant.short();
+            if r.error.is_some() {
+                bad.push(format!("{s}: fail_to_run"));
+            } else if let Some(a) = &r.accuracy {
+                if !a.passed() {
+                    bad.push(format!("{s}: {}", a.status));
+                }
+            }
+        }
+        if bad.is_empty() {
+            "pass".into()
+        } else {
+            bad.join(", ")
+        }
+    }
+
+    /// The geometric mean of a variant's speedups over the models that have one.
+    pub fn geomean(&self, variant: usize) -> Option<f64> {
+        let v: Vec<f64> = self
+            .rows
+            .iter()
+            .filter(|r| r.error.is_none())
+            .filter_map(|r| r.results.get(variant).and_then(|x| x.speedup))
+            .collect();
+        geomean(&v)
+    }
+
+    /// Does every model pass the accuracy check in every variant (and run)?
+    pub fn all_passed(&self) -> bool {
+        self.rows.iter().all(|r| {
+            r.error.is_none()
+                && r.results
+                    .iter()
+                    .all(|v| v.error.is_none() && v.accuracy.is_some_and(|a| a.passed()))
+        })
+    }
+
+    /// The table as rows of cells (header first; the `geomean` row last in performance mode),
+    /// table columns only.
+    pub fn table_rows(&self) -> Vec<Vec<String>> {
+        let cols = self.columns();
+        let keep: Vec<usize> = (0..cols.len()).filter(|&i| cols[i].in_table).collect();
+        let mut rows = vec![keep.iter().map(|&i| cols[i].header.clone()).collect()];
+        for row in &self.rows {
+            let cells = self.cells(row);
+            rows.push(keep.iter().map(|&i| cells[i].0.clone()).collect());
+        }
+        if self.experiment == Experiment::Performance && !self.rows.is_empty() {
+            let mut g = vec![String::new(); keep.len()];
+            g[0] = "geomean".into();
+            for (vi, _) in self.variants.iter().enumerate() {
+                // Speedup columns follow "Model" directly.
+                g[1 + vi] = self
+                    .geomean(vi)
+                    .map(|x| format!("{x:.4}x"))
+                    .unwrap_or_default();
+            }
+            rows.push(g);
+        }
+        rows
+    }
+
+    /// The CSV: one header line with every column (the table's and the detail columns), then
+    /// one line per model.
+    pub fn to_csv(&self) -> Result<String> {
+        let mut w = csv::Writer::from_writer(Vec::new());
+        let csv_err = |e: csv::Error| Error::Invalid(format!("writing CSV: {e}"));
+        w.write_record(self.columns().iter().map(|c| c.header.as_str()))
+            .map_err(csv_err)?;
+        for row in &self.rows {
+            w.write_record(self.cells(row).iter().map(|c| c.1.as_str()))
+                .map_err(csv_err)?;
+        }
+        let bytes = w
+            .into_inner()
+            .map_err(|e| Error::Invalid(format!("writing CSV: {e}")))?;
+        String::from_utf8(bytes).map_err(|e| Error::Invalid(format!("CSV is not UTF-8: {e}")))
+    }
+
+    /// Writes [`Report::to_csv`] to `path`.
+    pub fn write_csv(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        std::fs::write(path, self.to_csv()?).map_err(|e| Error::io(path, e))
+    }
+
+    /// The errors of failed models and variants, one line each.
+    pub fn errors(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for row in &self.rows {
+            if let Some(e) = &row.error {
+                out.push(format!("{}: {e}", row.model));
+            }
+            for r in &row.results {
+                if let Some(e) = &r.error {
+                    out.push(format!(
+                        "{} [{}]: {e}",
+                        row.model,
+                        r.variant.label(&self.backend)
+                    ));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Draws `rows` (header first) as the seeds' grid: `+---+` rules, `+===+` under the header,
+/// text left-aligned and the `numeric` columns right-aligned.
+pub fn draw_grid(rows: &[Vec<String>], numeric: &[bool]) -> String {
+    let ncol = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let width = |s: &str| s.chars().count();
+    let widths: Vec<usize> = (0..ncol)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| width(s))
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let rule = |ch: char| {
+        let mut s = String::from("+");
+        for w in &widths {
+            s.extend(std::iter::repeat_n(ch, w + 2));
+            s.push('+');
+        }
+        s.push('\n');
+        s
+    };
+    let mut out = rule('-');
+    for (i, r) in rows.iter().enumerate() {
+        out.push('|');
+        for (c, w) in widths.iter().enumerate() {
+            let cell = r.get(c).map(String::as_str).unwrap_or("");
+            let pad = w - width(cell);
+            let right = i > 0 && numeric.get(c).copied().unwrap_or(false);
+            if right {
+                out.push_str(&format!(" {}{} |", " ".repeat(pad), cell));
+            } else {
+                out.push_str(&format!(" {}{} |", cell, " ".repeat(pad)));
+            }
+        }
+        out.push('\n');
+        out.push_str(&rule(if i == 0 { '=' } else { '-' }));
+    }
+    out
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let cols = self.columns();
+        let numeric: Vec<bool> = cols
+            .iter()
+            .filter(|c| c.in_table)
+            .map(|c| c.numeric)
+            .collect();
+        f.write_str(&draw_grid(&self.table_rows(), &numeric))?;
+        let what = if self.training {
+            "training"
+        } else {
+            "inference"
+        };
+        match self.experiment {
+            Experiment::Performance => writeln!(
+                f,
+                "{what}; speedup = eager median / compiled median over {} repetitions of {} \
+                 iteration(s) (interleaved, {} warm-up call(s) excluded{}); p = Welch's t-test \
+                 (SAME: p > {SAME_THRESHOLD}); compile s = first call (trace + compile + run)",
+                self.repeat,
+                self.iterations_per_run,
+                self.warmup,
+                if self.randomize_input {
+                    ", fresh inputs per repetition"
+                } else {
+                    ""
+                }
+            )?,
+            Experiment::Accuracy => writeln!(f, "{what}; accuracy against eager")?,
+        }
+        writeln!(f, "accuracy: {}", self.tolerance.describe())?;
+        for e in self.errors() {
+            writeln!(f, "error: {e}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid_matches_the_seeds_layout() {
+        let rows = vec![
+            vec!["Model".to_string(), "XLA (trace once)".to_string()],
+            vec!["resnet18".to_string(), "1.38".to_string()],
+        ];
+        let g = draw_grid(&rows, &[false, true]);
+        let expected = "\
++----------+------------------+
+| Model    | XLA (trace once) |
++==========+==================+
+| resnet18 |             1.38 |
++----------+------------------+
+";
+        assert_eq!(g, expected);
+    }
+}

@@ -1,0 +1,387 @@
+//! The measurement loop shared by inference and training (see the module docs of
+//! [`crate::bench`]).
+
+use super::accuracy::{compare, Accuracy, AccuracyStatus, Tolerance};
+use super::registry::BackendEntry;
+use super::report::{ModelRow, Report, VariantResult};
+use super::stats::{median, welch_t_test};
+use super::{default_batch_size, infer, train, BenchOptions, Experiment, ModelSource, Variant};
+use crate::error::Result;
+use crate::runtime::Stats;
+use crate::trace::Tensor;
+use crate::zoo::Model;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::rc::Rc;
+use std::time::Instant;
+
+/// Something timed against eager: an eager baseline or a compiled variant.
+pub(crate) trait Contender {
+    /// Runs `iterations` iterations on `inputs`, then syncs once by reading the last result
+    /// back to the host (inference: the flattened output; training: the loss).
+    fn run(&mut self, inputs: &[Tensor], iterations: usize) -> Result<Vec<f64>>;
+
+    /// The runtime counters, for compiled contenders.
+    fn stats(&self) -> Option<Stats> {
+        None
+    }
+}
+
+/// What is measured for one model: inference or training. It builds the contenders.
+pub(crate) trait Workload {
+    /// The eager baseline.
+    fn eager(&self) -> Result<Box<dyn Contender>>;
+
+    /// A compiled variant on `backend`.
+    fn compiled(&self, backend: &BackendEntry, variant: &Variant) -> Result<Box<dyn Contender>>;
+
+    /// Puts the model back in its initial state before a contender's warm-up (training:
+    /// restores the parameters, so that every contender's checked steps start alike).
+    fn reset(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Is every call's result comparable with eager's (inference), or only the result after
+    /// the same number of calls from the same start (training)?
+    fn compare_each_call(&self) -> bool;
+}
+
+/// Draws fresh float inputs like `base` (integer inputs are kept, as in the seeds).
+fn randomized(base: &[Tensor], seed: u64) -> Result<Vec<Tensor>> {
+    base.iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if t.dtype().is_float() {
+                Tensor::randn_dtype(
+                    t.dims(),
+                    t.dtype(),
+                    seed.wrapping_mul(0x9E37_79B9).wrapping_add(i as u64),
+                )
+            } else {
+                Ok(t.clone())
+            }
+        })
+        .collect()
+}
+
+struct Progress {
+    bar: ProgressBar,
+    plain: bool,
+}
+
+impl Progress {
+    fn new(enabled: bool, total: u64) -> Self {
+        let bar = if enabled {
+            ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr())
+        } else {
+            ProgressBar::hidden()
+        };
+        if let Ok(style) =
+            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+        {
+            bar.set_style(style);
+        }
+        // Not a terminal (CI logs): one plain line per event instead of a bar.
+        let plain = enabled && bar.is_hidden();
+        Progress { bar, plain }
+    }
+
+    fn message(&self, msg: String) {
+        if self.plain {
+            eprintln!("{msg}");
+        }
+        self.bar.set_message(msg);
+    }
+
+    /// A message for the bar only (too frequent for plain lines).
+    fn detail(&self, msg: String) {
+        self.bar.set_message(msg);
+    }
+
+    fn note(&self, msg: String) {
+        if self.plain {
+            eprintln!("{msg}");
+        } else {
+            self.bar.println(msg);
+        }
+    }
+
+    fn inc(&self, n: u64) {
+        self.bar.inc(n);
+    }
+}
+
+/// Progress units of one model: eager warm-up, each variant's warm-up, each repetition.
+fn units_per_model(opts: &BenchOptions, variants: usize) -> u64 {
+    1 + variants as u64
+        + match opts.experiment {
+            Experiment::Performance => opts.repeat as u64,
+            Experiment::Accuracy => 0,
+        }
+}
+
+fn error_text(e: &crate::Error) -> String {
+    e.to_string()
+}
+
+pub(crate) fn run(
+    sources: Vec<ModelSource>,
+    opts: &BenchOptions,
+    backend: &BackendEntry,
+) -> Result<Report> {
+    let variants = opts.variants();
+    let total = units_per_model(opts, variants.len()) * sources.len() as u64;
+    let progress = Progress::new(opts.progress, total);
+    let n = sources.len();
+    let mut rows = Vec::with_capacity(n);
+    for (i, source) in sources.into_iter().enumerate() {
+        let name = source.name().to_string();
+        progress.message(format!("[{}/{n}] {name}", i + 1));
+        let start = progress.bar.position();
+        let row = match source.build() {
+            Ok(model) => bench_model(Rc::from(model), opts, backend, &variants, &progress),
+            Err(e) => ModelRow {
+                batch_size: opts.batch_size.unwrap_or_else(|| default_batch_size(&name)),
+                model: name,
+                eager_ms: None,
+                error: Some(error_text(&e)),
+                results: variants.iter().map(|v| VariantResult::new(*v)).collect(),
+            },
+        };
+        // Keep the bar's count right whatever was skipped.
+        progress
+            .bar
+            .set_position(start + units_per_model(opts, variants.len()));
+        progress.note(summary_line(&row, backend.label()));
+        rows.push(row);
+    }
+    progress.bar.finish_and_clear();
+    Ok(Report {
+        experiment: opts.experiment,
+        training: opts.training,
+        backend: backend.label().to_string(),
+        variants,
+        rows,
+        tolerance: opts.tolerance(),
+        iterations_per_run: opts.iterations_per_run,
+        repeat: opts.repeat,
+        warmup: opts.warmup,
+        randomize_input: opts.randomize_input,
+    })
+}
+
+/// The seeds' one line per model: `cpu  eval  name  1.380x p=0.00 ...`.
+fn summary_line(row: &ModelRow, label: &str) -> String {
+    let mut s = format!("{:<20}", row.model);
+    if let Some(e) = &row.error {
+        s.push_str(&format!(" ERROR: {e}"));
+        return s;
+    }
+    if let Some(ms) = row.eager_ms {
+        s.push_str(&format!(" eager {ms:.3} ms"));
+    }
+    for r in &row.results {
+        let v = r.variant.label(label);
+        match (&r.error, r.speedup, r.p_value, &r.accuracy) {
+            (Some(_), ..) => s.push_str(&format!(" | {v}: ERROR")),
+            (None, Some(sp), p, acc) => {
+                let p = p.map(|p| format!(" p={p:.2}")).unwrap_or_default();
+                let a = acc.map(|a| format!(" {}", a.status)).unwrap_or_default();
+                s.push_str(&format!(" | {v}: {sp:.3}x{p}{a}"));
+            }
+            (None, None, _, Some(a)) => s.push_str(&format!(" | {v}: {}", a.status)),
+            _ => {}
+        }
+    }
+    s
+}
+
+fn bench_model(
+    model: Rc<dyn Model>,
+    opts: &BenchOptions,
+    backend: &BackendEntry,
+    variants: &[Variant],
+    progress: &Progress,
+) -> ModelRow {
+    let batch = opts
+        .batch_size
+        .unwrap_or_else(|| default_batch_size(model.name()));
+    let mut row = ModelRow {
+        model: model.name().to_string(),
+        batch_size: batch,
+        eager_ms: None,
+        error: None,
+        results: variants.iter().map(|v| VariantResult::new(*v)).collect(),
+    };
+    if let Err(e) = bench_model_inner(&model, opts, backend, batch, &mut row, progress) {
+        row.error = Some(error_text(&e));
+    }
+    row
+}
+
+fn workload_for(model: &Rc<dyn Model>, opts: &BenchOptions) -> Result<Box<dyn Workload>> {
+    if opts.training {
+        Ok(Box::new(train::TrainWorkload::new(model.clone(), opts)?))
+    } else {
+        Ok(Box::new(infer::InferenceWorkload::new(model.clone())))
+    }
+}
+
+fn bench_model_inner(
+    model: &Rc<dyn Model>,
+    opts: &BenchOptions,
+    backend: &BackendEntry,
+    batch: usize,
+    row: &mut ModelRow,
+    progress: &Progress,
+) -> Result<()> {
+    let name = model.name().to_string();
+    let tol: Tolerance = opts.tolerance();
+    let inputs = model.example_inputs(batch, opts.seed)?;
+    let workload = workload_for(model, opts)?;
+    let warmup = if opts.training {
+        opts.warmup.max(2)
+    } else {
+        opts.warmup.max(1)
+    };
+
+    // Warm-up of eager: its results are the reference.
+    progress.detail(format!("{name}: eager warm-up"));
+    workload.reset()?;
+    let mut eager = workload.eager()?;
+    let mut reference = Vec::new();
+    for _ in 0..warmup {
+        reference = eager.run(&inputs, 1)?;
+    }
+    let mut eager_variation = false;
+    if opts.experiment == Experiment::Accuracy {
+        // Eager again, from the same start: does eager agree with itself?
+        workload.reset()?;
+        let mut again = workload.eager()?;
+        let mut second = Vec::new();
+        for _ in 0..warmup {
+            second = again.run(&inputs, 1)?;
+        }
+        eager_variation = !compare(&reference, &second, &tol).passed();
+    }
+    progress.inc(1);
+
+    // Warm-up (compile) and accuracy check of each variant, from a fresh start.
+    let mut contenders: Vec<Option<Box<dyn Contender>>> = Vec::new();
+    for v in row.results.iter_mut() {
+        let label = v.variant.label(backend.label());
+        progress.message(format!("{name}: compiling {label}"));
+        let r = (|| -> Result<Box<dyn Contender>> {
+            workload.reset()?;
+            let mut c = workload.compiled(backend, &v.variant)?;
+            let mut acc: Option<Accuracy> = None;
+            for k in 0..warmup {
+                let t0 = Instant::now();
+                let out = c.run(&inputs, 1)?;
+                if k == 0 {
+                    v.compile_s = Some(t0.elapsed().as_secs_f64());
+                }
+                if workload.compare_each_call() || k + 1 == warmup {
+                    let a = compare(&reference, &out, &tol);
+                    acc = Some(match acc {
+                        Some(prev) => prev.merge(a),
+                        None => a,
+                    });
+                }
+            }
+            if let Some(mut a) = acc {
+                if eager_variation {
+                    a.status = AccuracyStatus::EagerVariation;
+                }
+                v.accuracy = Some(a);
+            }
+            v.stats = c.stats();
+            Ok(c)
+        })();
+        match r {
+            Ok(c) => contenders.push(Some(c)),
+            Err(e) => {
+                v.error = Some(error_text(&e));
+                contenders.push(None);
+            }
+        }
+        progress.inc(1);
+    }
+    if opts.experiment == Experiment::Accuracy {
+        return Ok(());
+    }
+
+    // Timed repetitions, interleaved.
+    let iters = opts.iterations_per_run;
+    let mut eager_times = Vec::with_capacity(opts.repeat);
+    let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(opts.repeat); contenders.len()];
+    for rep in 0..opts.repeat {
+        progress.detail(format!("{name}: repetition {}/{}", rep + 1, opts.repeat));
+        let rep_inputs = if opts.randomize_input {
+            randomized(&inputs, opts.seed.wrapping_add(1 + rep as u64))?
+        } else {
+            inputs.clone()
+        };
+        let t0 = Instant::now();
+        let expected = eager.run(&rep_inputs, iters)?;
+        eager_times.push(t0.elapsed().as_secs_f64() / iters as f64);
+        for (vi, slot) in contenders.iter_mut().enumerate() {
+            let Some(c) = slot else { continue };
+            let t0 = Instant::now();
+            match c.run(&rep_inputs, iters) {
+                Ok(out) => {
+                    times[vi].push(t0.elapsed().as_secs_f64() / iters as f64);
+                    if opts.randomize_input && workload.compare_each_call() {
+                        let a = compare(&expected, &out, &tol);
+                        let r = &mut row.results[vi];
+                        r.accuracy = Some(match r.accuracy {
+                            Some(prev) => prev.merge(a),
+                            None => a,
+                        });
+                    }
+                }
+                Err(e) => {
+                    row.results[vi].error = Some(error_text(&e));
+                    *slot = None;
+                }
+            }
+        }
+        progress.inc(1);
+    }
+
+    let eager_median = median(&eager_times);
+    row.eager_ms = eager_median.map(|m| m * 1e3);
+    for (vi, slot) in contenders.iter().enumerate() {
+        let r = &mut row.results[vi];
+        let Some(c) = slot else { continue };
+        r.stats = c.stats();
+        let m = median(&times[vi]);
+        r.median_ms = m.map(|m| m * 1e3);
+        if let (Some(e), Some(m)) = (eager_median, m) {
+            if m > 0.0 {
+                r.speedup = Some(e / m);
+            }
+        }
+        r.p_value = welch_t_test(&eager_times, &times[vi]).map(|t| t.p);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::DType;
+
+    #[test]
+    fn randomized_keeps_integer_inputs() {
+        let x = Tensor::randn(&[2, 3], 1).unwrap();
+        let ids = Tensor::randint(&[2, 4], 10, 2).unwrap();
+        let r = randomized(&[x.clone(), ids.clone()], 5).unwrap();
+        assert_eq!(r[0].dims(), &[2, 3]);
+        assert_eq!(r[0].dtype(), DType::F32);
+        assert_ne!(r[0].to_f64_vec().unwrap(), x.to_f64_vec().unwrap());
+        assert_eq!(r[1].to_f64_vec().unwrap(), ids.to_f64_vec().unwrap());
+        // Seeded: the same seed gives the same inputs.
+        let again = randomized(&[x], 5).unwrap();
+        assert_eq!(again[0].to_f64_vec().unwrap(), r[0].to_f64_vec().unwrap());
+    }
+}
