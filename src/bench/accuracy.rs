@@ -143,7 +143,9 @@ pub fn compare(eager: &[f64], compiled: &[f64], tol: &Tolerance) -> Accuracy {
         }
         let d = (c - e).abs();
         max_abs = nan_max(max_abs, d);
-        if !(d <= tol.atol + tol.rtol * e.abs()) {
+        // NaN differences count as not close.
+        let within = d <= tol.atol + tol.rtol * e.abs();
+        if !within {
             close = false;
         }
         if e.is_finite() && c.is_finite() {

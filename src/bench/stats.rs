@@ -233,7 +233,8 @@ mod tests {
     #[test]
     fn welch_matches_scipy() {
         // Values from scipy.stats.ttest_ind(a, b, equal_var=False) (scipy 1.x).
-        let cases: &[(&[f64], &[f64], f64, f64, f64)] = &[
+        type Case<'a> = (&'a [f64], &'a [f64], f64, f64, f64);
+        let cases: &[Case] = &[
             (
                 &[1.0, 2.0, 3.0, 4.0, 5.0],
                 &[2.0, 4.0, 6.0, 8.0, 10.0, 12.0],

@@ -480,6 +480,10 @@ impl ScratchCrate {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        // The diagnostics are shown as the compiler prints them: in colour on a terminal.
+        if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            cmd.arg("--color").arg("always");
+        }
         // The settings kiln was built with (from its .cargo/config.toml), so that cargo reuses
         // the compiled kiln and torch-sys instead of rebuilding them.
         for (key, value) in [

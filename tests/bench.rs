@@ -1,0 +1,259 @@
+//! The benchmark harness end to end: the library on the zoo's linear model (rows, columns,
+//! CSV), and `--only path:FILE,class:NAME` on model files written outside the repository.
+
+use kiln::bench::user::{run_user_model, ModelSpec, UserModelSpec};
+use kiln::bench::{
+    run_benchmark, run_sources, BackendRegistry, BenchOptions, Experiment, ModelSource,
+};
+use kiln::compile::TraceMode;
+use kiln::zoo;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+fn quick() -> BenchOptions {
+    BenchOptions {
+        repeat: 3,
+        warmup: 1,
+        ..BenchOptions::default()
+    }
+}
+
+fn csv_rows(text: &str) -> Vec<Vec<String>> {
+    let mut r = csv::Reader::from_reader(text.as_bytes());
+    let mut rows = vec![r.headers().unwrap().iter().map(String::from).collect()];
+    for rec in r.records() {
+        rows.push(rec.unwrap().iter().map(String::from).collect());
+    }
+    rows
+}
+
+#[test]
+fn inference_report_rows_columns_and_csv() {
+    let report = run_benchmark(vec![zoo::build("linear", 0).unwrap()], &quick()).unwrap();
+    assert_eq!(report.rows.len(), 1);
+    let row = &report.rows[0];
+    assert_eq!(row.model, "linear");
+    assert_eq!(row.batch_size, 2);
+    assert!(row.error.is_none(), "{:?}", row.error);
+    assert!(row.eager_ms.is_some_and(|ms| ms > 0.0));
+    assert_eq!(row.results.len(), 2);
+    for r in &row.results {
+        assert!(r.error.is_none(), "{:?}", r.error);
+        assert!(r.speedup.is_some_and(|s| s > 0.0));
+        assert!(r.p_value.is_some_and(|p| (0.0..=1.0).contains(&p)));
+        assert!(r.compile_s.is_some());
+        assert!(r.accuracy.is_some_and(|a| a.passed()), "{:?}", r.accuracy);
+    }
+    // Trace once traces once; trace every call traces on every call (1 warm-up + 3 reps).
+    let once = row.results[0].stats.as_ref().unwrap();
+    let every = row.results[1].stats.as_ref().unwrap();
+    assert_eq!((once.traces, once.compiles), (1, 1));
+    assert_eq!((every.traces, every.compiles), (4, 1));
+    assert!(report.all_passed());
+
+    // The table: the seeds' columns, a geomean row.
+    let table = report.to_string();
+    for h in [
+        "| Model",
+        "XLA (trace once)",
+        "XLA (trace everytime)",
+        "eager ms",
+        "compile s (once)",
+        "accuracy",
+        "| geomean",
+        "| linear",
+    ] {
+        assert!(table.contains(h), "{h} missing from\n{table}");
+    }
+    assert!(table.lines().next().unwrap().starts_with("+--"));
+    assert!(table.contains("+=="));
+
+    // The CSV: one row per model, every table column among its columns.
+    let rows = csv_rows(&report.to_csv().unwrap());
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let header = &rows[0];
+    let table_header: Vec<String> = report.table_rows()[0].clone();
+    for h in &table_header {
+        assert!(header.contains(h), "CSV lacks {h}: {header:?}");
+    }
+    let col = |name: &str| header.iter().position(|h| h == name).unwrap();
+    assert_eq!(rows[1][col("Model")], "linear");
+    assert_eq!(rows[1][col("accuracy")], "pass");
+    let speedup: f64 = rows[1][col("XLA (trace once)")].parse().unwrap();
+    assert!((speedup - row.results[0].speedup.unwrap()).abs() < 1e-3);
+
+    let path = std::env::temp_dir().join(format!("kiln-bench-{}.csv", std::process::id()));
+    report.write_csv(&path).unwrap();
+    assert_eq!(csv_rows(&std::fs::read_to_string(&path).unwrap()), rows);
+    std::fs::remove_file(&path).ok();
+}
+
+#[test]
+fn accuracy_mode_and_eager_backend_and_randomized_inputs() {
+    let opts = BenchOptions {
+        experiment: Experiment::Accuracy,
+        backend: "eager".into(),
+        modes: vec![TraceMode::Once],
+        ..quick()
+    };
+    let report = run_benchmark(vec![zoo::build("linear", 1).unwrap()], &opts).unwrap();
+    assert!(report.all_passed(), "{report}");
+    let table = report.to_string();
+    assert!(table.contains("Eager graph (trace once)"), "{table}");
+    assert!(table.contains("pass"), "{table}");
+    assert!(!table.contains("geomean"));
+
+    let opts = BenchOptions {
+        randomize_input: true,
+        iterations_per_run: 2,
+        modes: vec![TraceMode::EveryCall],
+        batch_size: Some(3),
+        ..quick()
+    };
+    let report = run_benchmark(vec![zoo::build("linear", 2).unwrap()], &opts).unwrap();
+    assert_eq!(report.rows[0].batch_size, 3);
+    assert!(report.all_passed(), "{report}");
+}
+
+#[test]
+fn failures_are_rows_not_aborts() {
+    let mut registry = BackendRegistry::with_builtins();
+    registry.register(
+        "broken",
+        "Broken",
+        || -> kiln::Result<kiln::backend::eager::EagerBackend> {
+            Err(kiln::Error::Invalid("this backend is out of order".into()))
+        },
+    );
+    let opts = BenchOptions {
+        backend: "broken".into(),
+        ..quick()
+    };
+    let sources = vec![
+        ModelSource::zoo("linear", 0),
+        ModelSource::zoo("no_such_model", 0),
+    ];
+    let report = run_sources(sources, &opts, &registry).unwrap();
+    assert_eq!(report.rows.len(), 2);
+    assert!(report.rows[0].results[0]
+        .error
+        .as_deref()
+        .unwrap()
+        .contains("out of order"));
+    assert!(report.rows[1]
+        .error
+        .as_deref()
+        .unwrap()
+        .contains("unknown zoo model"));
+    assert!(!report.all_passed());
+    let table = report.to_string();
+    assert!(
+        table.contains("ERROR") && table.contains("error: linear"),
+        "{table}"
+    );
+
+    let unknown = BenchOptions {
+        backend: "nope".into(),
+        ..quick()
+    };
+    let e = run_benchmark(vec![], &unknown).unwrap_err().to_string();
+    assert!(e.contains("unknown backend") && e.contains("xla"), "{e}");
+}
+
+/// A directory outside the repository, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("kiln-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        std::fs::remove_dir_all(&self.0).ok();
+    }
+}
+
+fn linear_model_source() -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/user_models/linear_model.rs");
+    std::fs::read_to_string(p).unwrap()
+}
+
+fn args(a: &[&str]) -> Vec<OsString> {
+    a.iter().map(OsString::from).collect()
+}
+
+/// Builds scratch crates with cargo: the first build of any user model compiles kiln once more
+/// (about a minute on 2 cores); the rest reuse it.
+#[test]
+fn user_model_file_outside_the_repository() {
+    let dir = TempDir::new("user-model");
+    let file = dir.0.join("model_collection.rs");
+    std::fs::write(&file, linear_model_source()).unwrap();
+
+    // A missing file and a missing class fail before anything is built.
+    let missing = UserModelSpec {
+        path: dir.0.join("missing.rs"),
+        class: "LinearModel".into(),
+    };
+    let e = run_user_model(&missing, &[]).unwrap_err().to_string();
+    assert!(e.contains("does not exist"), "{e}");
+    let spec = format!("path:{},class:LinearModl", file.display());
+    let ModelSpec::User(typo) = ModelSpec::parse(&spec).unwrap() else {
+        panic!("not a user spec")
+    };
+    let e = run_user_model(&typo, &[]).unwrap_err().to_string();
+    assert!(
+        e.contains("no `struct LinearModl`") && e.contains("LinearModel"),
+        "{e}"
+    );
+
+    // The seeds' LinearModel: builds, runs, writes the CSV.
+    let csv = dir.0.join("out.csv");
+    let ModelSpec::User(good) =
+        ModelSpec::parse(&format!("path:{},class:LinearModel", file.display())).unwrap()
+    else {
+        panic!("not a user spec")
+    };
+    let status = run_user_model(
+        &good,
+        &args(&[
+            "--repeat",
+            "2",
+            "--warmup",
+            "1",
+            "--quiet",
+            "--csv",
+            csv.to_str().unwrap(),
+        ]),
+    )
+    .unwrap();
+    assert!(status.success(), "{status:?}");
+    let rows = csv_rows(&std::fs::read_to_string(&csv).unwrap());
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(rows[1][0], "LinearModel");
+
+    // A broken file: the compiler's message comes back.
+    let broken = dir.0.join("broken.rs");
+    std::fs::write(
+        &broken,
+        linear_model_source().replace(
+            "Linear::new(&p.sub(1), 10, 10, true)?",
+            "Linear::new(&p.sub(1), 10, 10)?",
+        ),
+    )
+    .unwrap();
+    let bad = UserModelSpec {
+        path: broken.clone(),
+        class: "LinearModel".into(),
+    };
+    let e = run_user_model(&bad, &args(&["--quiet"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("compiling") && e.contains("failed"), "{e}");
+    assert!(e.contains("error[E0061]"), "{e}");
+    assert!(e.contains("broken.rs"), "{e}");
+}
