@@ -7,6 +7,7 @@ use kiln::bench::{
 };
 use kiln::compile::TraceMode;
 use kiln::zoo;
+use kiln::Tensor;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
@@ -158,6 +159,73 @@ fn failures_are_rows_not_aborts() {
     };
     let e = run_benchmark(vec![], &unknown).unwrap_err().to_string();
     assert!(e.contains("unknown backend") && e.contains("xla"), "{e}");
+}
+
+/// A user model defined in the test: the library entry point benches it like a zoo model.
+struct Scaled {
+    store: kiln::nn::ParamStore,
+    w: Tensor,
+    panic_in_forward: bool,
+}
+
+impl Scaled {
+    fn new(panic_in_forward: bool) -> Scaled {
+        let store = kiln::nn::ParamStore::with_seed(3);
+        let w = store
+            .root()
+            .param(
+                "w",
+                &[4],
+                kiln::nn::Init::Normal {
+                    mean: 0.0,
+                    std: 1.0,
+                },
+            )
+            .unwrap();
+        Scaled {
+            store,
+            w,
+            panic_in_forward,
+        }
+    }
+}
+
+impl zoo::Model for Scaled {
+    fn name(&self) -> &str {
+        if self.panic_in_forward {
+            "panicky"
+        } else {
+            "scaled"
+        }
+    }
+    fn store(&self) -> &kiln::nn::ParamStore {
+        &self.store
+    }
+    fn example_inputs(&self, batch: usize, seed: u64) -> kiln::Result<Vec<Tensor>> {
+        Ok(vec![Tensor::randn(&[batch, 4], seed)?])
+    }
+    fn forward(&self, inputs: &[Tensor], _train: bool) -> kiln::Result<Tensor> {
+        if self.panic_in_forward {
+            panic!("model bug");
+        }
+        (&inputs[0] * &self.w)?.tanh()
+    }
+}
+
+#[test]
+fn own_models_through_the_library_and_panics_become_errors() {
+    let models: Vec<Box<dyn zoo::Model>> =
+        vec![Box::new(Scaled::new(false)), Box::new(Scaled::new(true))];
+    let report = run_benchmark(models, &quick()).unwrap();
+    assert_eq!(report.rows.len(), 2);
+    assert_eq!(report.rows[0].model, "scaled");
+    assert!(report.rows[0].error.is_none(), "{report}");
+    assert!(report.rows[0]
+        .results
+        .iter()
+        .all(|r| r.accuracy.is_some_and(|a| a.passed())));
+    let e = report.rows[1].error.as_deref().unwrap_or_default();
+    assert!(e.contains("panicked: model bug"), "{e}");
 }
 
 /// A directory outside the repository, removed on drop.

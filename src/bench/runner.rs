@@ -212,8 +212,22 @@ fn bench_model(
         error: None,
         results: variants.iter().map(|v| VariantResult::new(*v)).collect(),
     };
-    if let Err(e) = bench_model_inner(&model, opts, backend, batch, &mut row, progress) {
-        row.error = Some(error_text(&e));
+    // A panic in model code (a user model indexing past its inputs, say) becomes this row's
+    // error instead of ending the run.
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        bench_model_inner(&model, opts, backend, batch, &mut row, progress)
+    }));
+    match run {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => row.error = Some(error_text(&e)),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            row.error = Some(format!("panicked: {msg}"));
+        }
     }
     row
 }
