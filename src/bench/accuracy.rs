@@ -1,11 +1,15 @@
 //! The accuracy check: a compiled result against the eager one.
 
+/// The relative difference of the two results' norms allowed by the cosine criterion.
+pub const NORM_RTOL: f64 = 1e-2;
+
 /// When a compiled result counts as equal to the eager one.
 ///
 /// A result passes when it is `allclose` (`|c - e| <= atol + rtol·|e|` for every element) **or**
-/// when the cosine similarity of the two flattened results is at least `min_cosine` (the seeds'
-/// `--cosine` criterion, which forgives a few ill-conditioned elements). A non-finite value in
-/// the compiled result where the eager one is finite always fails.
+/// when the cosine similarity of the two flattened results is at least `min_cosine` and their
+/// norms agree within [`NORM_RTOL`] (the seeds' `--cosine` criterion, which forgives a few
+/// ill-conditioned elements; the norm check keeps it from forgiving a wrong scale). A
+/// non-finite value in the compiled result where the eager one is finite always fails.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Tolerance {
     /// Relative tolerance of `allclose`.
@@ -37,8 +41,11 @@ impl Tolerance {
     pub fn describe(&self) -> String {
         if self.min_cosine.is_finite() {
             format!(
-                "allclose(rtol={:e}, atol={:e}) or cosine >= {}",
-                self.rtol, self.atol, self.min_cosine
+                "allclose(rtol={:e}, atol={:e}) or (cosine >= {} and norms within {}%)",
+                self.rtol,
+                self.atol,
+                self.min_cosine,
+                NORM_RTOL * 100.0
             )
         } else {
             format!("allclose(rtol={:e}, atol={:e})", self.rtol, self.atol)
@@ -161,7 +168,9 @@ pub fn compare(eager: &[f64], compiled: &[f64], tol: &Tolerance) -> Accuracy {
     } else {
         dot / (ne.sqrt() * nc.sqrt())
     };
-    let pass = finite_ok && (close || cosine >= tol.min_cosine);
+    // Cosine ignores scale: the norms must agree too.
+    let norms_agree = (nc.sqrt() - ne.sqrt()).abs() <= NORM_RTOL * ne.sqrt();
+    let pass = finite_ok && (close || (cosine >= tol.min_cosine && norms_agree));
     Accuracy {
         status: if pass {
             AccuracyStatus::Pass
@@ -190,6 +199,9 @@ mod tests {
         assert!(compare(&big, &off, &t).passed());
         // Wrong values fail.
         assert!(!compare(&[1.0, 2.0], &[2.0, 1.0], &t).passed());
+        // The right direction at the wrong scale fails.
+        assert!(!compare(&[1.0, 2.0], &[2.0, 4.0], &t).passed());
+        assert!(!compare(&[1.0], &[3.0], &t).passed());
         // Shape mismatch fails.
         assert!(!compare(&[1.0], &[1.0, 2.0], &t).passed());
         // NaN where eager is finite fails.
