@@ -202,6 +202,10 @@ fn unary(u: UnaryOp, a: &Tensor, d: DType) -> Result<Tensor> {
         UnaryOp::Cos => a.f_cos()?,
         UnaryOp::Floor => a.f_floor()?,
         UnaryOp::Ceil => a.f_ceil()?,
+        // StableHLO: ±0 and NaN are returned unchanged (libtorch gives +0 for both).
+        UnaryOp::Sign if d.is_float() => a
+            .f_sign()?
+            .f_where_self(&a.f_ne(0.0)?.f_logical_and(&a.f_eq_tensor(a)?)?, a)?,
         UnaryOp::Sign => a.f_sign()?,
         UnaryOp::Not if d == DType::Bool => a.f_logical_not()?,
         UnaryOp::Not => wrap_u32(a.f_bitwise_not()?, d)?,
@@ -215,8 +219,8 @@ fn binary(b: BinaryOp, x: &Tensor, y: &Tensor, d: DType) -> Result<Tensor> {
         BinaryOp::Sub => wrap_u32(x.f_sub(y)?, d)?,
         BinaryOp::Mul => wrap_u32(x.f_mul(y)?, d)?,
         BinaryOp::Div if d.is_float() => x.f_div(y)?,
-        BinaryOp::Div => x.f_div_tensor_mode(y, "trunc")?,
-        BinaryOp::Rem => x.f_fmod_tensor(y)?,
+        BinaryOp::Rem if d.is_float() => x.f_fmod_tensor(y)?,
+        BinaryOp::Div | BinaryOp::Rem => int_div_rem(b, x, y, d)?,
         BinaryOp::Pow => x.f_pow(y)?,
         BinaryOp::Max => x.f_maximum(y)?,
         BinaryOp::Min => x.f_minimum(y)?,
@@ -226,52 +230,101 @@ fn binary(b: BinaryOp, x: &Tensor, y: &Tensor, d: DType) -> Result<Tensor> {
         BinaryOp::And => x.f_bitwise_and_tensor(y)?,
         BinaryOp::Or => x.f_bitwise_or_tensor(y)?,
         BinaryOp::Xor => x.f_bitwise_xor_tensor(y)?,
-        BinaryOp::ShiftLeft => {
-            // StableHLO: shifting by >= the bit width gives 0.
-            let bits = (d.size_in_bytes() * 8) as i64;
-            let shifted = wrap_u32(x.f_bitwise_left_shift(y)?, d)?;
-            shifted.f_where_self(&y.f_lt(bits)?, &x.f_zeros_like()?)?
-        }
-        BinaryOp::ShiftRightLogical => {
-            let bits = (d.size_in_bytes() * 8) as i64;
-            let shifted = match d {
-                // Values are non-negative in the Int64 carrier: arithmetic == logical.
-                DType::U32 => x.f_bitwise_right_shift(y)?,
-                DType::I32 => x
-                    .f_to_kind(Kind::Int64)?
-                    .f_bitwise_and(U32_MASK)?
-                    .f_bitwise_right_shift(&y.f_to_kind(Kind::Int64)?)?
-                    .f_to_kind(Kind::Int)?,
-                _ => {
-                    // i64: shift, then clear the sign-extended high bits.
-                    let s = x.f_bitwise_right_shift(y)?;
-                    let ones = x.f_ones_like()?.f_mul_scalar(-1)?;
-                    let mask = ones
-                        .f_bitwise_left_shift(&(scalar_like(bits as f64, d)? - y))?
-                        .f_bitwise_not()?;
-                    let mask = mask.f_where_self(&y.f_gt(0)?, &ones)?;
-                    s.f_bitwise_and_tensor(&mask)?
-                }
-            };
-            shifted.f_where_self(&y.f_lt(bits)?, &x.f_zeros_like()?)?
-        }
+        BinaryOp::ShiftLeft | BinaryOp::ShiftRightLogical => shift(b, x, y, d)?,
     })
 }
 
+/// Integer division and remainder with StableHLO/XLA's total semantics: truncation toward
+/// zero, remainder with the dividend's sign, `x / 0 = -1` (all ones), `x % 0 = x`,
+/// `MIN / -1 = MIN` and `MIN % -1 = 0`. libtorch raises on a zero divisor and traps on
+/// `MIN / -1`, so those divisors are replaced by 1 before dividing and the results patched.
+fn int_div_rem(b: BinaryOp, x: &Tensor, y: &Tensor, d: DType) -> Result<Tensor> {
+    let zero = y.f_eq(0)?;
+    let bad = match d {
+        DType::I32 => zero.f_logical_or(&x.f_eq(i32::MIN as i64)?.f_logical_and(&y.f_eq(-1)?)?)?,
+        DType::I64 => zero.f_logical_or(&x.f_eq(i64::MIN)?.f_logical_and(&y.f_eq(-1)?)?)?,
+        // U32 values are non-negative in their Int64 carrier: no overflow.
+        _ => zero.shallow_clone(),
+    };
+    let safe = y.f_ones_like()?.f_where_self(&bad, y)?;
+    Ok(if b == BinaryOp::Div {
+        let all_ones: i64 = if d == DType::U32 { U32_MASK } else { -1 };
+        x.f_full_like(all_ones)?
+            .f_where_self(&zero, &x.f_div_tensor_mode(&safe, "trunc")?)?
+    } else {
+        x.f_where_self(&zero, &x.f_fmod_tensor(&safe)?)?
+    })
+}
+
+/// Shifts with StableHLO's semantics: an amount outside `[0, bit width)` (as unsigned) gives 0;
+/// `ShiftRightLogical` shifts zeros in for signed types too.
+fn shift(b: BinaryOp, x: &Tensor, y: &Tensor, d: DType) -> Result<Tensor> {
+    let bits = (d.size_in_bytes() * 8) as i64;
+    let valid = y.f_ge(0)?.f_logical_and(&y.f_lt(bits)?)?;
+    // In-range amounts keep libtorch's shifts well defined; the rest are zeroed below.
+    let s = y.f_clamp(0, bits - 1)?;
+    let shifted = match (b, d) {
+        (BinaryOp::ShiftLeft, _) => wrap_u32(x.f_bitwise_left_shift(&s)?, d)?,
+        // U32 values are non-negative in their Int64 carrier: arithmetic == logical.
+        (_, DType::U32) => x.f_bitwise_right_shift(&s)?,
+        (_, DType::I32) => x
+            .f_to_kind(Kind::Int64)?
+            .f_bitwise_and(U32_MASK)?
+            .f_bitwise_right_shift(&s.f_to_kind(Kind::Int64)?)?
+            .f_to_kind(Kind::Int)?,
+        _ => {
+            // i64: arithmetic shift, then clear the sign-extended top `s` bits with the mask
+            // !((-1 << (63 - s)) << 1), which is all ones for s = 0 and never shifts by 64.
+            let ones = x.f_full_like(-1i64)?;
+            let mask = ones
+                .f_bitwise_left_shift(&s.f_neg()?.f_add_scalar(63)?)?
+                .f_bitwise_left_shift_tensor_scalar(1)?
+                .f_bitwise_not()?;
+            x.f_bitwise_right_shift(&s)?.f_bitwise_and_tensor(&mask)?
+        }
+    };
+    Ok(shifted.f_where_self(&valid, &x.f_zeros_like()?)?)
+}
+
+/// Element type conversion with StableHLO/XLA's semantics: float to integer truncates toward
+/// zero and saturates at the target's range (NaN gives 0); integer to integer wraps; to `Bool`
+/// is `!= 0` (NaN is true); between floats rounds to nearest.
 fn convert(a: &Tensor, from: DType, to: DType) -> Result<Tensor> {
     if from == to {
         return Ok(a.shallow_clone());
     }
+    if from.is_float() && to.is_int() {
+        // libtorch's float->int casts are undefined out of range: saturate explicitly.
+        let (lo, hi): (f64, f64) = match to {
+            DType::U32 => (0.0, u32::MAX as f64),
+            DType::I32 => (i32::MIN as f64, i32::MAX as f64),
+            _ => (i64::MIN as f64, i64::MAX as f64),
+        };
+        let x = a.f_to_kind(Kind::Double)?;
+        // `hi` may round up (i64::MAX as f64 == 2^63): treat `>= hi` as saturated.
+        let high = x.f_ge(hi)?;
+        let low = x.f_le(lo)?;
+        let nan = x.f_isnan()?;
+        let out = high.f_logical_or(&low)?.f_logical_or(&nan)?;
+        let safe = x.f_zeros_like()?.f_where_self(&out, &x)?.f_trunc()?;
+        let max = match to {
+            DType::U32 => U32_MASK,
+            DType::I32 => i32::MAX as i64,
+            _ => i64::MAX,
+        };
+        let min = match to {
+            DType::U32 => 0,
+            DType::I32 => i32::MIN as i64,
+            _ => i64::MIN,
+        };
+        let k = kind_of(to);
+        let r = safe.f_to_kind(k)?;
+        let r = r.f_full_like(max)?.f_where_self(&high, &r)?;
+        return Ok(r.f_full_like(min)?.f_where_self(&low, &r)?);
+    }
     Ok(match to {
         DType::Bool => a.f_ne(0)?,
-        DType::U32 => {
-            let i = if from.is_float() {
-                a.f_trunc()?.f_to_kind(Kind::Int64)?
-            } else {
-                a.f_to_kind(Kind::Int64)?
-            };
-            i.f_bitwise_and(U32_MASK)?
-        }
+        DType::U32 => a.f_to_kind(Kind::Int64)?.f_bitwise_and(U32_MASK)?,
         _ => a.f_to_kind(kind_of(to))?,
     })
 }

@@ -241,8 +241,17 @@ impl<'g> Emitter<'g> {
     /// A reduction body region combining two scalars of `d` with `op`.
     fn region(&self, prefix: &str, d: DType, op: &str) -> String {
         let s = tensor_type(&TensorType::scalar(d));
+        let body = combine(
+            &format!("{prefix}_r"),
+            op,
+            &format!("{prefix}_a"),
+            &format!("{prefix}_b"),
+            d,
+            &s,
+            "      ",
+        );
         format!(
-            "{{\n    ^bb0({prefix}_a: {s}, {prefix}_b: {s}):\n      {prefix}_r = \"{op}\"({prefix}_a, {prefix}_b) : ({s}, {s}) -> {s}\n      \"stablehlo.return\"({prefix}_r) : ({s}) -> ()\n    }}"
+            "{{\n    ^bb0({prefix}_a: {s}, {prefix}_b: {s}):\n{body}      \"stablehlo.return\"({prefix}_r) : ({s}) -> ()\n    }}"
         )
     }
 
@@ -272,7 +281,18 @@ impl<'g> Emitter<'g> {
                 &out_ty,
             ),
             Op::Unary(u) => self.generic(&res, unary_name(*u), &arg_refs, &arg_tys, "", &out_ty),
-            Op::Binary(b) => self.generic(&res, binary_name(*b), &arg_refs, &arg_tys, "", &out_ty),
+            Op::Binary(b) => {
+                let body = combine(
+                    &res,
+                    binary_name(*b),
+                    &args[0],
+                    &args[1],
+                    n.ty.dtype,
+                    &out_ty,
+                    "    ",
+                );
+                self.out.push_str(&body);
+            }
             Op::Compare(c) => {
                 let d = self.g.node(n.operands[0]).ty.dtype;
                 let attrs = format!(
@@ -539,6 +559,28 @@ impl<'g> Emitter<'g> {
         self.names.insert(id, res);
         Ok(())
     }
+}
+
+/// `res = op(a, b)` on values of type `ty` (element type `d`), as lines of text.
+///
+/// StableHLO's `maximum`/`minimum` propagate NaN, but XLA:CPU compiles them to "fast" min/max
+/// that return the other operand (`xla_cpu_enable_fast_min_max`). For floats they are therefore
+/// written as `select(a != a, a, select(b != b, b, max(a, b)))`, which every backend computes
+/// exactly.
+fn combine(res: &str, op: &str, a: &str, b: &str, d: DType, ty: &str, indent: &str) -> String {
+    let minmax = op == "stablehlo.maximum" || op == "stablehlo.minimum";
+    if !(minmax && d.is_float()) {
+        return format!("{indent}{res} = \"{op}\"({a}, {b}) : ({ty}, {ty}) -> {ty}\n");
+    }
+    let pred = ty.replace(element_type(d), "i1");
+    let ne = "comparison_direction = #stablehlo<comparison_direction NE>, compare_type = #stablehlo<comparison_type FLOAT>";
+    format!(
+        "{indent}{res}_m = \"{op}\"({a}, {b}) : ({ty}, {ty}) -> {ty}\n\
+         {indent}{res}_an = \"stablehlo.compare\"({a}, {a}) {{{ne}}} : ({ty}, {ty}) -> {pred}\n\
+         {indent}{res}_bn = \"stablehlo.compare\"({b}, {b}) {{{ne}}} : ({ty}, {ty}) -> {pred}\n\
+         {indent}{res}_mb = \"stablehlo.select\"({res}_bn, {b}, {res}_m) : ({pred}, {ty}, {ty}) -> {ty}\n\
+         {indent}{res} = \"stablehlo.select\"({res}_an, {a}, {res}_mb) : ({pred}, {ty}, {ty}) -> {ty}\n"
+    )
 }
 
 fn window_attrs(w: &WindowAttrs) -> String {

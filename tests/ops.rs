@@ -1,0 +1,1017 @@
+//! Every `Op` on both backends against an independent reference.
+//!
+//! Each case builds a one-op [`Graph`] directly, runs it on the XLA backend (PJRT CPU plugin)
+//! and on the eager interpreter, and compares both with a reference computed in this file:
+//! direct tch calls (never `kiln::backend::eager::eval_op`) or, for integer semantics that
+//! libtorch does not define (wrapping `u32`, division by zero, shifts past the bit width),
+//! plain Rust arithmetic. Inputs are seeded random data. The second half checks tensor-level
+//! compositions (matmul, softmax, ...) eagerly and traced + compiled on both backends.
+
+use kiln::backend::eager::EagerBackend;
+use kiln::backend::xla::XlaBackend;
+use kiln::backend::{Backend, Element, HostTensor};
+use kiln::ir::{
+    BinaryOp, CompareOp, ConvAttrs, DType, DotDims, Graph, InputKind, Literal, Op, ReduceKind,
+    Shape, TensorType, UnaryOp, WindowAttrs,
+};
+use proptest::prelude::*;
+use std::sync::OnceLock;
+use tch::{Kind, Tensor as T};
+
+// ----- harness ---------------------------------------------------------------------------------
+
+fn xla() -> &'static XlaBackend {
+    static X: OnceLock<XlaBackend> = OnceLock::new();
+    X.get_or_init(|| XlaBackend::new().expect("the PJRT CPU plugin (run scripts/bootstrap.sh)"))
+}
+
+fn run_graph<B: Backend>(b: &B, g: &Graph, inputs: &[HostTensor]) -> kiln::Result<Vec<HostTensor>> {
+    let exe = b.compile(g)?;
+    let bufs = inputs
+        .iter()
+        .map(|h| b.to_device(h))
+        .collect::<kiln::Result<Vec<_>>>()?;
+    let refs: Vec<&B::Buffer> = bufs.iter().collect();
+    let outs = b.execute(&exe, &refs)?;
+    outs.iter().map(|o| b.to_host(o)).collect()
+}
+
+/// A graph with one input per host tensor and a single `op` node as its output.
+fn one_op(op: &Op, inputs: &[HostTensor]) -> Graph {
+    let mut g = Graph::new();
+    let ids: Vec<_> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, h)| g.add_input(InputKind::Data, format!("x{i}"), h.ty().clone()))
+        .collect();
+    let y = g
+        .add(op.clone(), &ids)
+        .unwrap_or_else(|e| panic!("building {op:?}: {e}"));
+    g.set_outputs(vec![y]).unwrap();
+    g
+}
+
+/// How results are compared with the reference.
+#[derive(Clone, Copy, Debug)]
+enum Tol {
+    /// Same bytes (integers, bools, and floats whose sign of zero matters).
+    Bits,
+    /// Floats: `|got - want| <= atol + rtol * |want|`, NaN where NaN, same infinities.
+    Close(f64, f64),
+    /// Floats: equal values, NaN where NaN, and the same sign of zero.
+    Exact,
+}
+
+const F32: Tol = Tol::Close(1e-5, 1e-6);
+const F64: Tol = Tol::Close(1e-12, 1e-13);
+
+fn default_tol(d: DType) -> Tol {
+    match d {
+        DType::F32 => F32,
+        DType::F64 => F64,
+        _ => Tol::Bits,
+    }
+}
+
+fn compare(what: &str, got: &HostTensor, want: &HostTensor, tol: Tol) -> Result<(), String> {
+    if got.ty() != want.ty() {
+        return Err(format!(
+            "{what}: type {} but expected {}",
+            got.ty(),
+            want.ty()
+        ));
+    }
+    let tol = match (tol, want.ty().dtype.is_float()) {
+        (Tol::Close(..), false) => Tol::Bits,
+        (t, _) => t,
+    };
+    match tol {
+        Tol::Bits => {
+            if got.bytes() != want.bytes() {
+                let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
+                let s = want.ty().dtype.size_in_bytes();
+                let i = (0..g.len())
+                    .find(|&i| got.bytes()[i * s..(i + 1) * s] != want.bytes()[i * s..(i + 1) * s])
+                    .unwrap_or(0);
+                return Err(format!(
+                    "{what}: element {i} is {:?}, expected {:?} ({} of {} elements differ)",
+                    g[i],
+                    w[i],
+                    (0..g.len())
+                        .filter(|&i| got.bytes()[i * s..(i + 1) * s]
+                            != want.bytes()[i * s..(i + 1) * s])
+                        .count(),
+                    g.len()
+                ));
+            }
+        }
+        Tol::Exact => {
+            let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
+            for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
+                let ok = (a.is_nan() && b.is_nan())
+                    || (a == b && a.is_sign_negative() == b.is_sign_negative());
+                if !ok {
+                    return Err(format!("{what}: element {i} is {a:?}, expected {b:?}"));
+                }
+            }
+        }
+        Tol::Close(rtol, atol) => {
+            let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
+            for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
+                let ok = if b.is_nan() {
+                    a.is_nan()
+                } else if b.is_infinite() {
+                    a == b
+                } else {
+                    (a - b).abs() <= atol + rtol * b.abs()
+                };
+                if !ok {
+                    return Err(format!(
+                        "{what}: element {i} is {a:e}, expected {b:e} (rtol {rtol:e}, atol {atol:e})"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One expected result: `op` applied to `inputs` should give `want`.
+struct Case {
+    name: String,
+    op: Op,
+    inputs: Vec<HostTensor>,
+    want: HostTensor,
+    tol: Tol,
+}
+
+thread_local! {
+    static PENDING: std::cell::RefCell<Vec<Case>> = const { std::cell::RefCell::new(Vec::new()) };
+    static FAILURES: std::cell::RefCell<Vec<String>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn fail(msg: String) {
+    FAILURES.with(|f| f.borrow_mut().push(msg));
+}
+
+/// Queues a check of `op` on both backends against `want`. Cases are batched (see [`flush`]).
+fn check(name: &str, op: Op, inputs: &[HostTensor], want: &HostTensor, tol: Tol) {
+    let n = PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        p.push(Case {
+            name: name.to_string(),
+            op,
+            inputs: inputs.to_vec(),
+            want: want.clone(),
+            tol,
+        });
+        p.len()
+    });
+    if n >= 256 {
+        flush();
+    }
+}
+
+/// Runs the queued cases. An XLA compilation costs ~30 ms on this machine, far more than
+/// running a small op, so the queued cases become one graph: each case is its own one-op
+/// subgraph on its own inputs, with its own output, and is compared separately.
+fn flush() {
+    let cases = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    if cases.is_empty() {
+        return;
+    }
+    let mut g = Graph::new();
+    let mut inputs = Vec::new();
+    let mut built = Vec::new();
+    let mut outs = Vec::new();
+    for c in &cases {
+        let ids: Vec<_> = c
+            .inputs
+            .iter()
+            .map(|h| {
+                inputs.push(h.clone());
+                g.add_input(
+                    InputKind::Data,
+                    format!("x{}", inputs.len()),
+                    h.ty().clone(),
+                )
+            })
+            .collect();
+        match g.add(c.op.clone(), &ids) {
+            Ok(y) => {
+                outs.push(y);
+                built.push(c);
+            }
+            Err(e) => fail(format!("{}: building {:?}: {e}", c.name, c.op)),
+        }
+    }
+    g.set_outputs(outs).unwrap();
+    let what = |c: &Case, b: &str| {
+        let shapes: Vec<String> = c.inputs.iter().map(|h| h.ty().to_string()).collect();
+        format!("{} [{b}] {:?} on ({})", c.name, c.op, shapes.join(", "))
+    };
+    let t0 = std::time::Instant::now();
+    let rx = run_graph(xla(), &g, &inputs);
+    let t1 = std::time::Instant::now();
+    let re = run_graph(&EagerBackend::new(), &g, &inputs);
+    if std::env::var("KILN_TEST_TIMING").is_ok() {
+        eprintln!(
+            "{} cases ({} nodes): xla {:?}, eager {:?}",
+            built.len(),
+            g.len(),
+            t1 - t0,
+            t1.elapsed()
+        );
+    }
+    for (backend, result) in [("xla", rx), ("eager", re)] {
+        match result {
+            Ok(out) => {
+                for (c, o) in built.iter().zip(&out) {
+                    if let Err(e) = compare(&what(c, backend), o, &c.want, c.tol) {
+                        fail(e);
+                    }
+                }
+            }
+            Err(e) => {
+                // Find the culprit by running the cases one by one.
+                let e = e.to_string();
+                let first = e.lines().next().unwrap_or("").to_string();
+                for c in &built {
+                    let one = one_op(&c.op, &c.inputs);
+                    let r = if backend == "xla" {
+                        run_graph(xla(), &one, &c.inputs)
+                    } else {
+                        run_graph(&EagerBackend::new(), &one, &c.inputs)
+                    };
+                    if let Err(e) = r {
+                        let e = e.to_string();
+                        fail(format!(
+                            "{}: {}",
+                            what(c, backend),
+                            e.lines().next().unwrap_or("")
+                        ));
+                    }
+                }
+                fail(format!("{backend}: the batch failed: {first}"));
+            }
+        }
+    }
+}
+
+/// Runs the remaining cases of one test (each test runs on its own thread) and reports every
+/// failure when dropped at the end of the test.
+struct Report;
+
+impl Drop for Report {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        flush();
+        let f = FAILURES.with(|f| std::mem::take(&mut *f.borrow_mut()));
+        if !f.is_empty() {
+            panic!("{} failure(s):\n{}", f.len(), f.join("\n"));
+        }
+    }
+}
+
+// ----- data ------------------------------------------------------------------------------------
+
+/// SplitMix64: seeded data independent of libtorch's global generator.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0x6A09_E667_F3BC_C909)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn normal(&mut self) -> f64 {
+        let u1 = 1.0 - self.uniform();
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+    fn range(&mut self, lo: i64, hi: i64) -> i64 {
+        lo + (self.next() % (hi - lo + 1) as u64) as i64
+    }
+}
+
+fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+fn host<E: Element>(shape: &[usize], v: &[E]) -> HostTensor {
+    HostTensor::from_slice(shape, v).unwrap()
+}
+
+/// Floats of `dtype` from `f` (rounded to f32 for `F32`).
+fn floats(shape: &[usize], dtype: DType, mut f: impl FnMut() -> f64) -> HostTensor {
+    let v: Vec<f64> = (0..numel(shape)).map(|_| f()).collect();
+    match dtype {
+        DType::F32 => host(shape, &v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
+        DType::F64 => host(shape, &v),
+        d => panic!("floats of {d}"),
+    }
+}
+
+fn randn(shape: &[usize], dtype: DType, seed: u64) -> HostTensor {
+    let mut r = Rng::new(seed);
+    floats(shape, dtype, || r.normal())
+}
+
+fn normal(shape: &[usize], dtype: DType, scale: f64, seed: u64) -> HostTensor {
+    let mut r = Rng::new(seed);
+    floats(shape, dtype, || scale * r.normal())
+}
+
+fn uniform(shape: &[usize], dtype: DType, lo: f64, hi: f64, seed: u64) -> HostTensor {
+    let mut r = Rng::new(seed);
+    floats(shape, dtype, || lo + (hi - lo) * r.uniform())
+}
+
+/// Integers of `dtype` in `[lo, hi]` (bools: `lo`/`hi` ignored).
+fn ints(shape: &[usize], dtype: DType, lo: i64, hi: i64, seed: u64) -> HostTensor {
+    let mut r = Rng::new(seed);
+    let n = numel(shape);
+    match dtype {
+        DType::Bool => host(
+            shape,
+            &(0..n).map(|_| r.next() & 1 == 1).collect::<Vec<_>>(),
+        ),
+        DType::U32 => host(
+            shape,
+            &(0..n).map(|_| r.range(lo, hi) as u32).collect::<Vec<_>>(),
+        ),
+        DType::I32 => host(
+            shape,
+            &(0..n).map(|_| r.range(lo, hi) as i32).collect::<Vec<_>>(),
+        ),
+        DType::I64 => host(shape, &(0..n).map(|_| r.range(lo, hi)).collect::<Vec<_>>()),
+        DType::F32 | DType::F64 => floats(shape, dtype, || r.range(lo, hi) as f64),
+    }
+}
+
+/// Full-range bit patterns of an integer dtype.
+fn bits(shape: &[usize], dtype: DType, seed: u64) -> HostTensor {
+    let mut r = Rng::new(seed);
+    let n = numel(shape);
+    match dtype {
+        DType::U32 => host(shape, &(0..n).map(|_| r.next() as u32).collect::<Vec<_>>()),
+        DType::I32 => host(shape, &(0..n).map(|_| r.next() as i32).collect::<Vec<_>>()),
+        DType::I64 => host(shape, &(0..n).map(|_| r.next() as i64).collect::<Vec<_>>()),
+        DType::Bool => ints(shape, dtype, 0, 1, seed),
+        d => panic!("bits of {d}"),
+    }
+}
+
+/// A tch tensor holding the host tensor's values (`U32` in an `Int64` tensor).
+fn tt(h: &HostTensor) -> T {
+    let dims = h.ty().shape.to_i64();
+    let t = match h.ty().dtype {
+        DType::Bool => T::from_slice(&h.to_vec::<bool>().unwrap()),
+        DType::U32 => T::from_slice(
+            &h.to_vec::<u32>()
+                .unwrap()
+                .into_iter()
+                .map(i64::from)
+                .collect::<Vec<_>>(),
+        ),
+        DType::I32 => T::from_slice(&h.to_vec::<i32>().unwrap()),
+        DType::I64 => T::from_slice(&h.to_vec::<i64>().unwrap()),
+        DType::F32 => T::from_slice(&h.to_vec::<f32>().unwrap()),
+        DType::F64 => T::from_slice(&h.to_vec::<f64>().unwrap()),
+    };
+    t.reshape(&dims)
+}
+
+/// A host tensor of `dtype` from a tch tensor (`U32` read from any integer kind, wrapped).
+fn th(t: &T, dtype: DType) -> HostTensor {
+    let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
+    let flat = t.contiguous().reshape([-1]);
+    match dtype {
+        DType::Bool => host(
+            &shape,
+            &Vec::<bool>::try_from(&flat.to_kind(Kind::Bool)).unwrap(),
+        ),
+        DType::U32 => host(
+            &shape,
+            &Vec::<i64>::try_from(&flat.to_kind(Kind::Int64))
+                .unwrap()
+                .into_iter()
+                .map(|x| x as u32)
+                .collect::<Vec<_>>(),
+        ),
+        DType::I32 => host(
+            &shape,
+            &Vec::<i32>::try_from(&flat.to_kind(Kind::Int)).unwrap(),
+        ),
+        DType::I64 => host(
+            &shape,
+            &Vec::<i64>::try_from(&flat.to_kind(Kind::Int64)).unwrap(),
+        ),
+        DType::F32 => host(
+            &shape,
+            &Vec::<f32>::try_from(&flat.to_kind(Kind::Float)).unwrap(),
+        ),
+        DType::F64 => host(
+            &shape,
+            &Vec::<f64>::try_from(&flat.to_kind(Kind::Double)).unwrap(),
+        ),
+    }
+}
+
+fn kind(d: DType) -> Kind {
+    match d {
+        DType::Bool => Kind::Bool,
+        DType::U32 | DType::I64 => Kind::Int64,
+        DType::I32 => Kind::Int,
+        DType::F32 => Kind::Float,
+        DType::F64 => Kind::Double,
+    }
+}
+
+/// Elementwise reference in Rust over `i64` views of integer values (bools as 0/1).
+fn map_ints(out: DType, shape: &[usize], v: Vec<i64>) -> HostTensor {
+    match out {
+        DType::Bool => host(shape, &v.iter().map(|&x| x != 0).collect::<Vec<_>>()),
+        DType::U32 => host(shape, &v.iter().map(|&x| x as u32).collect::<Vec<_>>()),
+        DType::I32 => host(shape, &v.iter().map(|&x| x as i32).collect::<Vec<_>>()),
+        DType::I64 => host(shape, &v),
+        d => panic!("map_ints to {d}"),
+    }
+}
+
+fn int_values(h: &HostTensor) -> Vec<i64> {
+    match h.ty().dtype {
+        DType::Bool => h
+            .to_vec::<bool>()
+            .unwrap()
+            .into_iter()
+            .map(i64::from)
+            .collect(),
+        DType::U32 => h
+            .to_vec::<u32>()
+            .unwrap()
+            .into_iter()
+            .map(i64::from)
+            .collect(),
+        DType::I32 => h
+            .to_vec::<i32>()
+            .unwrap()
+            .into_iter()
+            .map(i64::from)
+            .collect(),
+        DType::I64 => h.to_vec::<i64>().unwrap(),
+        d => panic!("int_values of {d}"),
+    }
+}
+
+/// Replaces some elements by special float values (NaN, ±inf, ±0).
+fn with_specials(h: &HostTensor, seed: u64) -> HostTensor {
+    let specials = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0];
+    let mut r = Rng::new(seed);
+    let mut v = h.to_f64_vec();
+    for (k, s) in specials.iter().enumerate() {
+        if k < v.len() {
+            let i = (r.next() as usize) % v.len();
+            v[i] = *s;
+        }
+    }
+    let shape = h.ty().shape.dims().to_vec();
+    match h.ty().dtype {
+        DType::F32 => host(&shape, &v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
+        _ => host(&shape, &v),
+    }
+}
+
+/// Shapes for elementwise ops: a scalar and a rank-3 tensor (odd sizes, so vectorised loops
+/// have tails). Each case is one XLA kernel (~20 ms to compile here), so shapes are few and the
+/// values carry the coverage (specials, extremes).
+const SHAPES: [&[usize]; 2] = [&[], &[2, 3, 5]];
+const FLOATS: [DType; 2] = [DType::F32, DType::F64];
+const INTS: [DType; 3] = [DType::U32, DType::I32, DType::I64];
+
+// ----- elementwise -----------------------------------------------------------------------------
+
+fn unary_ref(u: UnaryOp, x: &T) -> T {
+    match u {
+        UnaryOp::Neg => x.neg(),
+        UnaryOp::Abs => x.abs(),
+        UnaryOp::Exp => x.exp(),
+        UnaryOp::Log => x.log(),
+        UnaryOp::Log1p => x.log1p(),
+        UnaryOp::Sqrt => x.sqrt(),
+        UnaryOp::Rsqrt => x.rsqrt(),
+        UnaryOp::Tanh => x.tanh(),
+        UnaryOp::Logistic => x.sigmoid(),
+        UnaryOp::Erf => x.erf(),
+        UnaryOp::Sin => x.sin(),
+        UnaryOp::Cos => x.cos(),
+        UnaryOp::Floor => x.floor(),
+        UnaryOp::Ceil => x.ceil(),
+        // StableHLO: ±0 and NaN are returned unchanged.
+        UnaryOp::Sign => x
+            .sign()
+            .where_self(&x.ne(0.0).logical_and(&x.eq_tensor(x)), x),
+        UnaryOp::Not => x.bitwise_not(),
+    }
+}
+
+#[test]
+fn unary_float() {
+    let _r = Report;
+    use UnaryOp::*;
+    let ops = [
+        Neg, Abs, Exp, Log, Log1p, Sqrt, Rsqrt, Tanh, Logistic, Erf, Sin, Cos, Floor, Ceil, Sign,
+    ];
+    for (k, u) in ops.into_iter().enumerate() {
+        for d in FLOATS {
+            for (s, shape) in SHAPES.iter().enumerate() {
+                let seed = (k * 100 + s) as u64;
+                let x = match u {
+                    Log | Sqrt | Rsqrt => uniform(shape, d, 0.01, 20.0, seed),
+                    Log1p => uniform(shape, d, -0.99, 20.0, seed),
+                    Exp => uniform(shape, d, -20.0, 20.0, seed),
+                    _ => normal(shape, d, 3.0, seed),
+                };
+                let x = if numel(shape) >= 5 {
+                    with_specials(&x, seed)
+                } else {
+                    x
+                };
+                let want = th(&unary_ref(u, &tt(&x)), d);
+                let tol = match u {
+                    Sign | Floor | Ceil | Neg | Abs => Tol::Exact,
+                    _ => default_tol(d),
+                };
+                check(u.name(), Op::Unary(u), &[x], &want, tol);
+            }
+        }
+    }
+}
+
+fn int_unary(u: UnaryOp, d: DType, x: i64) -> i64 {
+    macro_rules! go {
+        ($t:ty) => {{
+            let x = x as $t;
+            #[allow(unused_comparisons)]
+            let r: $t = match u {
+                UnaryOp::Not => !x,
+                UnaryOp::Neg => (0 as $t).wrapping_sub(x),
+                UnaryOp::Abs => {
+                    if x < 0 {
+                        (0 as $t).wrapping_sub(x)
+                    } else {
+                        x
+                    }
+                }
+                UnaryOp::Sign => {
+                    if x > 0 {
+                        1
+                    } else if x == 0 {
+                        0
+                    } else {
+                        (0 as $t).wrapping_sub(1)
+                    }
+                }
+                u => panic!("{u:?} on ints"),
+            };
+            r as i64
+        }};
+    }
+    match d {
+        DType::Bool => (x == 0) as i64,
+        DType::U32 => go!(u32),
+        DType::I32 => go!(i32),
+        DType::I64 => go!(i64),
+        d => panic!("{d}"),
+    }
+}
+
+#[test]
+fn unary_int() {
+    let _r = Report;
+    let cases = [
+        (UnaryOp::Neg, &[DType::I32, DType::I64][..]),
+        (UnaryOp::Abs, &[DType::I32, DType::I64]),
+        (UnaryOp::Sign, &[DType::I32, DType::I64]),
+        (
+            UnaryOp::Not,
+            &[DType::Bool, DType::U32, DType::I32, DType::I64],
+        ),
+    ];
+    for (k, (u, dtypes)) in cases.into_iter().enumerate() {
+        for &d in dtypes {
+            for (s, shape) in SHAPES.iter().enumerate() {
+                let x = bits(shape, d, (k * 10 + s) as u64);
+                let mut v = int_values(&x);
+                // The extremes: MIN (whose negation wraps), 0, -1.
+                let extremes = match d {
+                    DType::I32 => vec![i32::MIN as i64, 0, -1, i32::MAX as i64],
+                    DType::I64 => vec![i64::MIN, 0, -1, i64::MAX],
+                    DType::U32 => vec![0, u32::MAX as i64],
+                    _ => vec![],
+                };
+                for (i, e) in extremes.into_iter().enumerate() {
+                    if i + 1 < v.len() {
+                        v[i] = e;
+                    }
+                }
+                let x = map_ints(d, shape, v.clone());
+                let want = map_ints(d, shape, v.iter().map(|&a| int_unary(u, d, a)).collect());
+                check(u.name(), Op::Unary(u), &[x], &want, Tol::Bits);
+            }
+        }
+    }
+}
+
+fn float_binary_ref(b: BinaryOp, x: &T, y: &T) -> T {
+    match b {
+        BinaryOp::Add => x + y,
+        BinaryOp::Sub => x - y,
+        BinaryOp::Mul => x * y,
+        BinaryOp::Div => x / y,
+        BinaryOp::Rem => x.fmod_tensor(y),
+        BinaryOp::Pow => x.pow(y),
+        BinaryOp::Max => x.maximum(y),
+        BinaryOp::Min => x.minimum(y),
+        b => panic!("{b:?} on floats"),
+    }
+}
+
+#[test]
+fn binary_float() {
+    let _r = Report;
+    use BinaryOp::*;
+    for (k, b) in [Add, Sub, Mul, Div, Rem, Pow, Max, Min]
+        .into_iter()
+        .enumerate()
+    {
+        for d in FLOATS {
+            for (s, shape) in SHAPES.iter().enumerate() {
+                let seed = (k * 100 + s * 10) as u64;
+                let (x, y) = match b {
+                    Pow => {
+                        // Positive bases with any exponent; negative bases with integer ones.
+                        let mut r = Rng::new(seed);
+                        let n = numel(shape);
+                        let mut base = Vec::with_capacity(n);
+                        let mut exp = Vec::with_capacity(n);
+                        for i in 0..n {
+                            if i % 2 == 0 {
+                                base.push(0.1 + 3.0 * r.uniform());
+                                exp.push(2.0 * r.normal());
+                            } else {
+                                base.push(2.0 * r.normal());
+                                exp.push(r.range(-3, 4) as f64);
+                            }
+                        }
+                        let (mut bi, mut ei) = (base.into_iter(), exp.into_iter());
+                        (
+                            floats(shape, d, || bi.next().unwrap()),
+                            floats(shape, d, || ei.next().unwrap()),
+                        )
+                    }
+                    _ => (normal(shape, d, 3.0, seed), normal(shape, d, 2.0, seed + 1)),
+                };
+                let (x, y) = if numel(shape) >= 5 {
+                    (with_specials(&x, seed + 2), with_specials(&y, seed + 3))
+                } else {
+                    (x, y)
+                };
+                let want = th(&float_binary_ref(b, &tt(&x), &tt(&y)), d);
+                let tol = match b {
+                    Max | Min => Tol::Exact,
+                    Pow if d == DType::F32 => Tol::Close(1e-5, 1e-5),
+                    _ => default_tol(d),
+                };
+                check(b.name(), Op::Binary(b), &[x, y], &want, tol);
+            }
+        }
+    }
+}
+
+/// StableHLO's integer semantics in Rust: wrapping arithmetic; division truncates, `x / 0` is
+/// all ones, `x % 0` is `x`, `MIN / -1` is `MIN`, `MIN % -1` is 0; shifts by amounts that are
+/// `>=` the bit width (as unsigned) give 0.
+fn int_binary(b: BinaryOp, d: DType, x: i64, y: i64) -> i64 {
+    macro_rules! go {
+        ($t:ty, $u:ty) => {{
+            let (x, y) = (x as $t, y as $t);
+            let width = <$t>::BITS as $u;
+            let r: $t = match b {
+                BinaryOp::Add => x.wrapping_add(y),
+                BinaryOp::Sub => x.wrapping_sub(y),
+                BinaryOp::Mul => x.wrapping_mul(y),
+                BinaryOp::Div => {
+                    if y == 0 {
+                        !0
+                    } else {
+                        x.wrapping_div(y)
+                    }
+                }
+                BinaryOp::Rem => {
+                    if y == 0 {
+                        x
+                    } else {
+                        x.wrapping_rem(y)
+                    }
+                }
+                BinaryOp::Max => x.max(y),
+                BinaryOp::Min => x.min(y),
+                BinaryOp::And => x & y,
+                BinaryOp::Or => x | y,
+                BinaryOp::Xor => x ^ y,
+                BinaryOp::ShiftLeft => {
+                    if y as $u >= width {
+                        0
+                    } else {
+                        x << (y as u32)
+                    }
+                }
+                BinaryOp::ShiftRightLogical => {
+                    if y as $u >= width {
+                        0
+                    } else {
+                        ((x as $u) >> (y as u32)) as $t
+                    }
+                }
+                BinaryOp::Pow => panic!("pow on ints"),
+            };
+            r as i64
+        }};
+    }
+    match d {
+        DType::Bool => match b {
+            BinaryOp::And => x & y,
+            BinaryOp::Or => x | y,
+            BinaryOp::Xor => x ^ y,
+            b => panic!("{b:?} on bool"),
+        },
+        DType::U32 => go!(u32, u32),
+        DType::I32 => go!(i32, u32),
+        DType::I64 => go!(i64, u64),
+        d => panic!("{d}"),
+    }
+}
+
+#[test]
+fn binary_int() {
+    let _r = Report;
+    use BinaryOp::*;
+    let ops = [
+        Add,
+        Sub,
+        Mul,
+        Div,
+        Rem,
+        Max,
+        Min,
+        And,
+        Or,
+        Xor,
+        ShiftLeft,
+        ShiftRightLogical,
+    ];
+    for (k, b) in ops.into_iter().enumerate() {
+        for d in INTS {
+            for (s, shape) in SHAPES.iter().enumerate() {
+                let seed = (k * 100 + s * 10) as u64;
+                let width = (d.size_in_bytes() * 8) as i64;
+                let (x, y) = match b {
+                    Div | Rem => {
+                        // Small magnitudes (incl. zero divisors) and the MIN / -1 overflow.
+                        let lo = if d == DType::U32 { 0 } else { -9 };
+                        let x = ints(shape, d, 3 * lo, 30, seed);
+                        let y = ints(shape, d, lo, 9, seed + 1);
+                        let (mut xv, mut yv) = (int_values(&x), int_values(&y));
+                        if xv.len() >= 3 {
+                            let min = match d {
+                                DType::I32 => i32::MIN as i64,
+                                DType::I64 => i64::MIN,
+                                _ => u32::MAX as i64,
+                            };
+                            xv[0] = min;
+                            yv[0] = if d == DType::U32 { 7 } else { -1 };
+                            xv[1] = min;
+                            yv[1] = 0;
+                            yv[2] = 0;
+                        }
+                        (map_ints(d, shape, xv), map_ints(d, shape, yv))
+                    }
+                    ShiftLeft | ShiftRightLogical => {
+                        let lo = if d == DType::U32 { 0 } else { -3 };
+                        (
+                            bits(shape, d, seed),
+                            ints(shape, d, lo, width + 4, seed + 1),
+                        )
+                    }
+                    _ => (bits(shape, d, seed), bits(shape, d, seed + 1)),
+                };
+                let (xv, yv) = (int_values(&x), int_values(&y));
+                let want = map_ints(
+                    d,
+                    shape,
+                    xv.iter()
+                        .zip(&yv)
+                        .map(|(&a, &c)| int_binary(b, d, a, c))
+                        .collect(),
+                );
+                check(b.name(), Op::Binary(b), &[x, y], &want, Tol::Bits);
+            }
+        }
+    }
+    for b in [And, Or, Xor] {
+        for (s, shape) in SHAPES.iter().enumerate() {
+            let x = bits(shape, DType::Bool, s as u64);
+            let y = bits(shape, DType::Bool, 50 + s as u64);
+            let (xv, yv) = (int_values(&x), int_values(&y));
+            let want = map_ints(
+                DType::Bool,
+                shape,
+                xv.iter()
+                    .zip(&yv)
+                    .map(|(&a, &c)| int_binary(b, DType::Bool, a, c))
+                    .collect(),
+            );
+            check(b.name(), Op::Binary(b), &[x, y], &want, Tol::Bits);
+        }
+    }
+}
+
+#[test]
+fn compare_all_dtypes() {
+    let _r = Report;
+    use CompareOp::*;
+    for (k, c) in [Eq, Ne, Lt, Le, Gt, Ge].into_iter().enumerate() {
+        for d in DType::ALL {
+            for (s, shape) in SHAPES.iter().enumerate() {
+                let seed = (k * 100 + s * 10) as u64;
+                // Few distinct values so that equality occurs; u32 values above 2^31 (unsigned!).
+                let (x, y) = match d {
+                    DType::F32 | DType::F64 => {
+                        let x = ints(shape, d, -2, 2, seed);
+                        let y = ints(shape, d, -2, 2, seed + 1);
+                        if numel(shape) >= 5 {
+                            (with_specials(&x, seed), with_specials(&y, seed + 1))
+                        } else {
+                            (x, y)
+                        }
+                    }
+                    DType::U32 => {
+                        let mut r = Rng::new(seed);
+                        let pick = [0u32, 1, 0x7FFF_FFFF, 0x8000_0000, 0xFFFF_FFFF];
+                        let mut gen = || {
+                            (0..numel(shape))
+                                .map(|_| pick[(r.next() % 5) as usize])
+                                .collect::<Vec<_>>()
+                        };
+                        (host(shape, &gen()), host(shape, &gen()))
+                    }
+                    DType::Bool => (bits(shape, d, seed), bits(shape, d, seed + 1)),
+                    _ => (ints(shape, d, -2, 2, seed), ints(shape, d, -2, 2, seed + 1)),
+                };
+                let want = if d.is_float() {
+                    let (a, b) = (tt(&x), tt(&y));
+                    let r = match c {
+                        Eq => a.eq_tensor(&b),
+                        Ne => a.ne_tensor(&b),
+                        Lt => a.lt_tensor(&b),
+                        Le => a.le_tensor(&b),
+                        Gt => a.gt_tensor(&b),
+                        Ge => a.ge_tensor(&b),
+                    };
+                    th(&r, DType::Bool)
+                } else {
+                    let (xv, yv) = (int_values(&x), int_values(&y));
+                    let v = xv
+                        .iter()
+                        .zip(&yv)
+                        .map(|(a, b)| {
+                            (match c {
+                                Eq => a == b,
+                                Ne => a != b,
+                                Lt => a < b,
+                                Le => a <= b,
+                                Gt => a > b,
+                                Ge => a >= b,
+                            }) as i64
+                        })
+                        .collect();
+                    map_ints(DType::Bool, shape, v)
+                };
+                check(c.name(), Op::Compare(c), &[x, y], &want, Tol::Bits);
+            }
+        }
+    }
+}
+
+#[test]
+fn select() {
+    let _r = Report;
+    for d in DType::ALL {
+        for (s, shape) in SHAPES.iter().enumerate() {
+            let p = bits(shape, DType::Bool, s as u64);
+            let (a, b) = match d {
+                DType::F32 | DType::F64 => (randn(shape, d, 1), randn(shape, d, 2)),
+                _ => (bits(shape, d, 3), bits(shape, d, 4)),
+            };
+            let want = th(&tt(&a).where_self(&tt(&p), &tt(&b)), d);
+            check("select", Op::Select, &[p, a, b], &want, Tol::Bits);
+        }
+    }
+}
+
+/// Conversion reference: Rust's `as` casts, which are what StableHLO/XLA specify: float to
+/// integer truncates toward zero and saturates (NaN gives 0), integer to integer wraps, to bool
+/// is `!= 0` (NaN is true), from bool is 0/1, between floats rounds to nearest.
+fn convert_ref(x: &HostTensor, to: DType) -> HostTensor {
+    let shape = x.ty().shape.dims().to_vec();
+    let from = x.ty().dtype;
+    if from.is_float() {
+        let v = x.to_f64_vec();
+        match to {
+            DType::Bool => host(&shape, &v.iter().map(|&a| a != 0.0).collect::<Vec<_>>()),
+            DType::U32 => host(&shape, &v.iter().map(|&a| a as u32).collect::<Vec<_>>()),
+            DType::I32 => host(&shape, &v.iter().map(|&a| a as i32).collect::<Vec<_>>()),
+            DType::I64 => host(&shape, &v.iter().map(|&a| a as i64).collect::<Vec<_>>()),
+            DType::F32 => host(&shape, &v.iter().map(|&a| a as f32).collect::<Vec<_>>()),
+            DType::F64 => host(&shape, &v),
+        }
+    } else {
+        let v = int_values(x);
+        match to {
+            DType::F32 => host(&shape, &v.iter().map(|&a| a as f32).collect::<Vec<_>>()),
+            DType::F64 => host(&shape, &v.iter().map(|&a| a as f64).collect::<Vec<_>>()),
+            _ => map_ints(to, &shape, v),
+        }
+    }
+}
+
+#[test]
+fn convert_all_pairs() {
+    let _r = Report;
+    let specials = [
+        0.5,
+        -0.5,
+        -1.5,
+        2.7,
+        -2.7,
+        3e9,
+        -3e9,
+        4.5e9,
+        2147483648.0,
+        -2147483648.0,
+        2147483520.0,
+        1e19,
+        -1e19,
+        9.3e18,
+        f64::NAN,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        -0.0,
+        0.0,
+        255.9,
+    ];
+    for from in DType::ALL {
+        for to in DType::ALL {
+            if from == to {
+                continue;
+            }
+            for (s, shape) in [&[][..], &[4, 5]].iter().enumerate() {
+                let seed = s as u64 * 7 + from as u64 * 100 + to as u64;
+                let x = match from {
+                    DType::F32 | DType::F64 => {
+                        let mut r = Rng::new(seed);
+                        let mut k = 0;
+                        floats(shape, from, || {
+                            k += 1;
+                            if numel(shape) > 1 && k <= specials.len() {
+                                specials[k - 1]
+                            } else {
+                                10.0 * r.normal()
+                            }
+                        })
+                    }
+                    _ => bits(shape, from, seed),
+                };
+                let want = convert_ref(&x, to);
+                check(
+                    &format!("convert {from}->{to}"),
+                    Op::Convert(to),
+                    &[x],
+                    &want,
+                    Tol::Exact,
+                );
+            }
+        }
+    }
+}
