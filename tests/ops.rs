@@ -1015,3 +1015,325 @@ fn convert_all_pairs() {
         }
     }
 }
+
+// ----- data movement ---------------------------------------------------------------------------
+
+fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for d in (0..shape.len()).rev() {
+        idx[d] = i % shape[d];
+        i /= shape[d];
+    }
+    idx
+}
+
+fn ravel(idx: &[usize], shape: &[usize]) -> usize {
+    idx.iter().zip(shape).fold(0, |acc, (&i, &n)| acc * n + i)
+}
+
+/// Reference for pure data movement, on raw bytes (exact for every dtype): output element
+/// `idx` is element `src(idx) = Some((operand, index))` of `operands`, or `fill` when `None`.
+fn gather_ref(
+    operands: &[&HostTensor],
+    fill: Option<&HostTensor>,
+    out_shape: &[usize],
+    src: impl Fn(&[usize]) -> Option<(usize, Vec<usize>)>,
+) -> HostTensor {
+    let d = operands[0].ty().dtype;
+    let s = d.size_in_bytes();
+    let mut bytes = Vec::with_capacity(numel(out_shape) * s);
+    for i in 0..numel(out_shape) {
+        match src(&unravel(i, out_shape)) {
+            Some((k, idx)) => {
+                let o = operands[k];
+                let j = ravel(&idx, o.ty().shape.dims());
+                bytes.extend_from_slice(&o.bytes()[j * s..(j + 1) * s]);
+            }
+            None => bytes.extend_from_slice(fill.expect("fill value").bytes()),
+        }
+    }
+    HostTensor::from_bytes(TensorType::new(d, out_shape), bytes).unwrap()
+}
+
+/// Random data of any dtype (normal floats, full-range integers, random bools).
+fn any_data(shape: &[usize], d: DType, seed: u64) -> HostTensor {
+    if d.is_float() {
+        randn(shape, d, seed)
+    } else {
+        bits(shape, d, seed)
+    }
+}
+
+fn scalar_of(d: DType, seed: u64) -> HostTensor {
+    any_data(&[], d, seed)
+}
+
+#[test]
+fn constant_and_iota() {
+    let _r = Report;
+    for d in DType::ALL {
+        for (s, shape) in [&[][..], &[4], &[2, 3]].iter().enumerate() {
+            // Non-splat random values (bit patterns for integers: u32 above 2^31, i64 extremes).
+            let data = any_data(shape, d, 40 + s as u64);
+            let lit = Literal::from_bytes(data.ty().clone(), data.bytes().to_vec()).unwrap();
+            check("constant", Op::Constant(lit), &[], &data, Tol::Exact);
+            // Splat.
+            let one = scalar_of(d, 7);
+            let splat = gather_ref(&[&one], None, shape, |_| Some((0, vec![])));
+            let lit = Literal::from_bytes(splat.ty().clone(), splat.bytes().to_vec()).unwrap();
+            check("constant splat", Op::Constant(lit), &[], &splat, Tol::Exact);
+        }
+        if d == DType::Bool {
+            continue;
+        }
+        for (shape, dim) in [
+            (&[5][..], 0),
+            (&[2, 3, 4], 0),
+            (&[2, 3, 4], 1),
+            (&[2, 3, 4], 2),
+        ] {
+            let v: Vec<i64> = (0..numel(shape))
+                .map(|i| unravel(i, shape)[dim] as i64)
+                .collect();
+            let want = convert_ref(&map_ints(DType::I64, shape, v), d);
+            let ty = TensorType::new(d, shape);
+            check("iota", Op::Iota { ty, dim }, &[], &want, Tol::Exact);
+        }
+    }
+}
+
+#[test]
+fn broadcast() {
+    let _r = Report;
+    let cases: [(&[usize], &[usize], &[usize]); 6] = [
+        (&[], &[2, 3], &[]),
+        (&[3], &[2, 3], &[1]),
+        (&[2], &[2, 3], &[0]),
+        (&[3, 1], &[3, 4], &[0, 1]),
+        (&[2, 3], &[2, 4, 3], &[0, 2]),
+        (&[1, 3, 1], &[2, 3, 4], &[0, 1, 2]),
+    ];
+    for d in [DType::F32, DType::I64, DType::Bool, DType::U32] {
+        for (k, &(from, to, dims)) in cases.iter().enumerate() {
+            let x = any_data(from, d, k as u64);
+            let want = gather_ref(&[&x], None, to, |o| {
+                Some((
+                    0,
+                    dims.iter()
+                        .enumerate()
+                        .map(|(i, &dd)| if from[i] == 1 { 0 } else { o[dd] })
+                        .collect(),
+                ))
+            });
+            let op = Op::Broadcast {
+                shape: Shape::new(to),
+                dims: dims.to_vec(),
+            };
+            check("broadcast", op, &[x], &want, Tol::Exact);
+        }
+    }
+}
+
+fn reshape_case(x: &HostTensor, to: &[usize]) {
+    let want = HostTensor::from_bytes(x.ty().with_dtype(x.ty().dtype), x.bytes().to_vec())
+        .map(|h| HostTensor::from_bytes(TensorType::new(h.ty().dtype, to), h.into_bytes()))
+        .unwrap()
+        .unwrap();
+    check(
+        "reshape",
+        Op::Reshape(Shape::new(to)),
+        &[x.clone()],
+        &want,
+        Tol::Exact,
+    );
+}
+
+fn transpose_ref(x: &HostTensor, perm: &[usize]) -> HostTensor {
+    let dims = x.ty().shape.dims();
+    let out: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
+    gather_ref(&[x], None, &out, |o| {
+        let mut idx = vec![0; perm.len()];
+        for (i, &p) in perm.iter().enumerate() {
+            idx[p] = o[i];
+        }
+        Some((0, idx))
+    })
+}
+
+fn slice_ref(x: &HostTensor, start: &[usize], limit: &[usize], stride: &[usize]) -> HostTensor {
+    let out: Vec<usize> = (0..start.len())
+        .map(|i| (limit[i] - start[i]).div_ceil(stride[i]))
+        .collect();
+    gather_ref(&[x], None, &out, |o| {
+        Some((
+            0,
+            (0..o.len()).map(|i| start[i] + o[i] * stride[i]).collect(),
+        ))
+    })
+}
+
+#[test]
+fn reshape_transpose_slice_reverse() {
+    let _r = Report;
+    for d in [DType::F32, DType::I32, DType::Bool] {
+        let x = any_data(&[2, 3, 4], d, 1);
+        for to in [&[24][..], &[4, 6], &[2, 1, 12, 1], &[4, 3, 2]] {
+            reshape_case(&x, to);
+        }
+        reshape_case(&any_data(&[], d, 2), &[1, 1]);
+        reshape_case(&any_data(&[1, 1], d, 3), &[]);
+        for perm in [&[0, 1, 2][..], &[2, 0, 1], &[1, 0, 2], &[2, 1, 0]] {
+            let want = transpose_ref(&x, perm);
+            check(
+                "transpose",
+                Op::Transpose(perm.to_vec()),
+                &[x.clone()],
+                &want,
+                Tol::Exact,
+            );
+        }
+        let slices: [(&[usize], &[usize], &[usize]); 4] = [
+            (&[0, 0, 0], &[2, 3, 4], &[1, 1, 1]),
+            (&[1, 0, 1], &[2, 3, 4], &[1, 2, 2]),
+            (&[0, 1, 0], &[1, 3, 3], &[2, 1, 3]),
+            (&[0, 2, 3], &[2, 2, 4], &[1, 1, 1]),
+        ];
+        for (start, limit, stride) in slices {
+            let want = slice_ref(&x, start, limit, stride);
+            let op = Op::Slice {
+                start: start.to_vec(),
+                limit: limit.to_vec(),
+                stride: stride.to_vec(),
+            };
+            check("slice", op, &[x.clone()], &want, Tol::Exact);
+        }
+        for dims in [&[][..], &[0], &[2], &[0, 1, 2]] {
+            let want = gather_ref(&[&x], None, &[2, 3, 4], |o| {
+                let mut idx = o.to_vec();
+                for &k in dims {
+                    idx[k] = [2, 3, 4][k] - 1 - o[k];
+                }
+                Some((0, idx))
+            });
+            check(
+                "reverse",
+                Op::Reverse(dims.to_vec()),
+                &[x.clone()],
+                &want,
+                Tol::Exact,
+            );
+        }
+    }
+}
+
+#[test]
+fn concat() {
+    let _r = Report;
+    for d in [DType::F64, DType::U32, DType::Bool] {
+        for axis in 0..3 {
+            let shapes: Vec<Vec<usize>> = (0..3)
+                .map(|k| {
+                    let mut s = vec![2, 3, 2];
+                    s[axis] = k + 1;
+                    s
+                })
+                .collect();
+            let xs: Vec<HostTensor> = shapes
+                .iter()
+                .enumerate()
+                .map(|(k, s)| any_data(s, d, k as u64 + 10))
+                .collect();
+            let mut out = vec![2, 3, 2];
+            out[axis] = 6;
+            let refs: Vec<&HostTensor> = xs.iter().collect();
+            let want = gather_ref(&refs, None, &out, |o| {
+                // Operand k covers [k(k+1)/2, (k+1)(k+2)/2) along the axis.
+                let mut p = o[axis];
+                for k in 0..3 {
+                    if p < k + 1 {
+                        let mut idx = o.to_vec();
+                        idx[axis] = p;
+                        return Some((k, idx));
+                    }
+                    p -= k + 1;
+                }
+                unreachable!()
+            });
+            check("concat", Op::Concat { axis }, &xs, &want, Tol::Exact);
+        }
+    }
+    // One operand, and rank 1.
+    let x = any_data(&[5], DType::F32, 3);
+    check(
+        "concat",
+        Op::Concat { axis: 0 },
+        &[x.clone()],
+        &x,
+        Tol::Exact,
+    );
+}
+
+fn pad_ref(
+    x: &HostTensor,
+    v: &HostTensor,
+    low: &[i64],
+    high: &[i64],
+    interior: &[usize],
+) -> HostTensor {
+    let dims = x.ty().shape.dims().to_vec();
+    let out: Vec<usize> = (0..dims.len())
+        .map(|i| {
+            let n = dims[i] as i64;
+            let inner = if n == 0 {
+                0
+            } else {
+                n + (n - 1) * interior[i] as i64
+            };
+            (inner + low[i] + high[i]) as usize
+        })
+        .collect();
+    gather_ref(&[x], Some(v), &out, |o| {
+        let mut idx = Vec::with_capacity(o.len());
+        for i in 0..o.len() {
+            let p = o[i] as i64 - low[i];
+            let step = interior[i] as i64 + 1;
+            if p < 0 || p % step != 0 || p / step >= dims[i] as i64 {
+                return None;
+            }
+            idx.push((p / step) as usize);
+        }
+        Some((0, idx))
+    })
+}
+
+#[test]
+fn pad() {
+    let _r = Report;
+    type PadCase<'a> = (&'a [usize], &'a [i64], &'a [i64], &'a [usize]);
+    let cases: [PadCase; 7] = [
+        (&[3], &[2], &[1], &[0]),
+        (&[2, 3], &[1, 0], &[0, 2], &[0, 0]),
+        (&[5], &[-1], &[-2], &[0]),
+        (&[4, 3], &[-1, 1], &[2, -1], &[0, 0]),
+        (&[3, 2], &[0, 0], &[0, 0], &[2, 1]),
+        (&[3, 4], &[1, -2], &[-1, 3], &[1, 2]),
+        (&[2, 2, 3], &[0, 1, -1], &[1, 0, 0], &[1, 0, 1]),
+    ];
+    for d in [DType::F32, DType::I64, DType::U32, DType::Bool] {
+        for (k, &(shape, low, high, interior)) in cases.iter().enumerate() {
+            let x = any_data(shape, d, k as u64);
+            // i64 extremes as padding values must survive exactly.
+            let v = match d {
+                DType::I64 => host(&[], &[i64::MAX - k as i64]),
+                _ => scalar_of(d, 100 + k as u64),
+            };
+            let want = pad_ref(&x, &v, low, high, interior);
+            let op = Op::Pad {
+                low: low.to_vec(),
+                high: high.to_vec(),
+                interior: interior.to_vec(),
+            };
+            check("pad", op, &[x, v], &want, Tol::Exact);
+        }
+    }
+}

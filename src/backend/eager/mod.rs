@@ -129,7 +129,6 @@ pub fn eval_op(
             high,
             interior,
             &arg_types[0].shape.to_i64(),
-            arg_types[0].dtype,
         )?,
         Op::Reverse(dims) => {
             let d: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
@@ -141,20 +140,12 @@ pub fn eval_op(
                 args[0].shallow_clone()
             } else {
                 let a: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
-                match kind {
-                    ReduceKind::Sum => {
-                        let k = kind_of(out.dtype);
-                        wrap_u32(
-                            args[0].f_sum_dim_intlist(a.as_slice(), false, k)?,
-                            out.dtype,
-                        )?
-                    }
-                    ReduceKind::Max => args[0].f_amax(a.as_slice(), false)?,
-                    ReduceKind::Min => args[0].f_amin(a.as_slice(), false)?,
-                }
+                reduce(*kind, args[0], &a, out)?
             }
         }
-        Op::ReduceWindow { kind, attrs } => reduce_window(*kind, attrs, args[0], arg_types[0])?,
+        Op::ReduceWindow { kind, attrs } => {
+            reduce_window(*kind, attrs, args[0], arg_types[0], out)?
+        }
         Op::SelectAndScatter(attrs) => {
             select_and_scatter(attrs, args[0], args[1], arg_types[0], arg_types[1])?
         }
@@ -180,7 +171,7 @@ pub fn eval_op(
             flat.push(arg_types[1].shape.numel() as i64);
             flat.extend_from_slice(&ty.shape.to_i64()[axis + 1..]);
             let upd = args[2].f_reshape(&flat)?;
-            base.f_index_add(*axis as i64, &idx, &upd)?
+            wrap_u32(base.f_index_add(*axis as i64, &idx, &upd)?, ty.dtype)?
         }
     };
     Ok(t)
@@ -329,6 +320,9 @@ fn convert(a: &Tensor, from: DType, to: DType) -> Result<Tensor> {
     })
 }
 
+/// StableHLO `pad`: interior padding, then edge padding (negative edges crop). Exact for every
+/// dtype: the result starts as the padding value expanded (never converted through `f64`) and
+/// the operand elements that survive are copied into a strided view of it.
 fn pad(
     x: &Tensor,
     value: &Tensor,
@@ -336,35 +330,50 @@ fn pad(
     high: &[i64],
     interior: &[usize],
     dims: &[i64],
-    d: DType,
 ) -> Result<Tensor> {
-    let v = value.f_double_value(&[])?;
-    let mut t = x.shallow_clone();
-    if interior.iter().any(|&i| i > 0) {
-        let sizes: Vec<i64> = dims
-            .iter()
-            .zip(interior)
-            .map(|(&n, &i)| if n == 0 { 0 } else { n + (n - 1) * i as i64 })
-            .collect();
-        let out = Tensor::f_full(&sizes, v, (kind_of(d), tch::Device::Cpu))?;
-        let mut view = out.shallow_clone();
-        for (k, &i) in interior.iter().enumerate() {
-            view = view.f_slice(k as i64, Some(0), Some(sizes[k]), i as i64 + 1)?;
-        }
-        view.f_copy_(&t)?;
-        t = out;
+    let r = dims.len();
+    let mut out_sizes = Vec::with_capacity(r);
+    for k in 0..r {
+        let n = dims[k];
+        let inner = if n == 0 {
+            0
+        } else {
+            n + (n - 1) * interior[k] as i64
+        };
+        out_sizes.push(inner + low[k] + high[k]);
     }
-    if low.iter().chain(high).any(|&p| p != 0) {
-        // constant_pad_nd wants (last-dim low, last-dim high, previous dim low, ...); negative
-        // entries crop.
-        let mut pads = Vec::with_capacity(2 * low.len());
-        for k in (0..low.len()).rev() {
-            pads.push(low[k]);
-            pads.push(high[k]);
+    let out = value.f_expand(&out_sizes, false)?.f_contiguous()?;
+    let mut src = x.shallow_clone();
+    let mut dst = out.shallow_clone();
+    for k in 0..r {
+        let step = interior[k] as i64 + 1;
+        // Operand element j lands at low + j * step; keep those inside [0, out).
+        let first = if low[k] >= 0 {
+            0
+        } else {
+            (-low[k] + step - 1) / step
+        };
+        let last_pos = out_sizes[k] - 1 - low[k];
+        let end = if last_pos < 0 {
+            0
+        } else {
+            (last_pos / step + 1).min(dims[k])
+        };
+        let count = end - first;
+        if count <= 0 {
+            return Ok(out);
         }
-        t = t.f_pad(&pads, "constant", Some(v))?;
+        src = src.f_narrow(k as i64, first, count)?;
+        let start = low[k] + first * step;
+        dst = dst.f_slice(
+            k as i64,
+            Some(start),
+            Some(start + (count - 1) * step + 1),
+            step,
+        )?;
     }
-    Ok(t)
+    dst.f_copy_(&src)?;
+    Ok(out)
 }
 
 fn dot_general(
@@ -417,17 +426,16 @@ fn dot_general(
     wrap_u32(r.f_reshape(out.shape.to_i64())?, out.dtype)
 }
 
-/// Pads the spatial dims of `[N, C, *spatial]` with `value` and unfolds windows: the result is
-/// `[N, C, *out_spatial, *window]`.
-fn windows(x: &Tensor, w: &WindowAttrs, value: f64) -> Result<Tensor> {
+/// Pads the spatial dims of `[N, C, *spatial]` with the scalar `value` and unfolds windows:
+/// the result is `[N, C, *out_spatial, *window]`.
+fn windows(x: &Tensor, w: &WindowAttrs, value: &Tensor) -> Result<Tensor> {
     let n = w.window.len();
-    let mut pads = Vec::with_capacity(2 * n);
-    for k in (0..n).rev() {
-        pads.push(w.padding[k].0 as i64);
-        pads.push(w.padding[k].1 as i64);
-    }
-    let mut t = if pads.iter().any(|&p| p != 0) {
-        x.f_pad(&pads, "constant", Some(value))?
+    let mut t = if w.padding.iter().any(|&(l, h)| l != 0 || h != 0) {
+        let mut low = vec![0i64; 2];
+        let mut high = vec![0i64; 2];
+        low.extend(w.padding.iter().map(|p| p.0 as i64));
+        high.extend(w.padding.iter().map(|p| p.1 as i64));
+        pad(x, value, &low, &high, &vec![0; n + 2], &x.size())?
     } else {
         x.shallow_clone()
     };
@@ -437,35 +445,59 @@ fn windows(x: &Tensor, w: &WindowAttrs, value: f64) -> Result<Tensor> {
     Ok(t)
 }
 
-fn identity(kind: ReduceKind, d: DType) -> f64 {
-    match (kind, d.is_float()) {
-        (ReduceKind::Sum, _) => 0.0,
-        (ReduceKind::Max, true) => f64::NEG_INFINITY,
-        (ReduceKind::Min, true) => f64::INFINITY,
-        (ReduceKind::Max, false) => match d {
-            DType::I32 => i32::MIN as f64,
-            DType::I64 => i64::MIN as f64,
-            _ => 0.0,
-        },
-        (ReduceKind::Min, false) => match d {
-            DType::I32 => i32::MAX as f64,
-            DType::I64 => i64::MAX as f64,
-            _ => u32::MAX as f64,
-        },
-    }
+/// The identity of a reduction as a scalar tensor of `d`'s kind, exact for every dtype
+/// (`i64::MAX` does not survive a trip through `f64`).
+fn identity(kind: ReduceKind, d: DType) -> Result<Tensor> {
+    let t = match (kind, d) {
+        (ReduceKind::Sum, _) => return scalar_like(0.0, d),
+        (ReduceKind::Max, DType::F32 | DType::F64) => return scalar_like(f64::NEG_INFINITY, d),
+        (ReduceKind::Min, DType::F32 | DType::F64) => return scalar_like(f64::INFINITY, d),
+        (ReduceKind::Max, DType::I32) => Tensor::f_from_slice(&[i32::MIN])?,
+        (ReduceKind::Min, DType::I32) => Tensor::f_from_slice(&[i32::MAX])?,
+        (ReduceKind::Max, DType::I64) => Tensor::f_from_slice(&[i64::MIN])?,
+        (ReduceKind::Min, DType::I64) => Tensor::f_from_slice(&[i64::MAX])?,
+        (ReduceKind::Max, _) => Tensor::f_from_slice(&[0i64])?,
+        (ReduceKind::Min, _) => Tensor::f_from_slice(&[U32_MASK])?,
+    };
+    Ok(t.f_reshape([0i64; 0])?)
 }
 
-fn reduce_window(kind: ReduceKind, w: &WindowAttrs, x: &Tensor, xt: &TensorType) -> Result<Tensor> {
-    let n = w.window.len();
-    let t = windows(x, w, identity(kind, xt.dtype))?;
-    let axes: Vec<i64> = (0..n).map(|k| (2 + n + k) as i64).collect();
+/// A reduction over `axes` (non-empty); reductions of nothing give the identity.
+fn reduce(kind: ReduceKind, x: &Tensor, axes: &[i64], out: &TensorType) -> Result<Tensor> {
+    if x.numel() == 0 && kind != ReduceKind::Sum {
+        // libtorch refuses max/min over an empty dim; StableHLO returns the init value.
+        return Ok(identity(kind, out.dtype)?
+            .f_expand(out.shape.to_i64(), false)?
+            .f_contiguous()?);
+    }
     Ok(match kind {
-        ReduceKind::Sum => t.f_sum_dim_intlist(axes.as_slice(), false, kind_of(xt.dtype))?,
-        ReduceKind::Max => t.f_amax(axes.as_slice(), false)?,
-        ReduceKind::Min => t.f_amin(axes.as_slice(), false)?,
+        ReduceKind::Sum => wrap_u32(
+            x.f_sum_dim_intlist(axes, false, kind_of(out.dtype))?,
+            out.dtype,
+        )?,
+        ReduceKind::Max => x.f_amax(axes, false)?,
+        ReduceKind::Min => x.f_amin(axes, false)?,
     })
 }
 
+fn reduce_window(
+    kind: ReduceKind,
+    w: &WindowAttrs,
+    x: &Tensor,
+    xt: &TensorType,
+    out: &TensorType,
+) -> Result<Tensor> {
+    let n = w.window.len();
+    let t = windows(x, w, &identity(kind, xt.dtype)?)?;
+    let axes: Vec<i64> = (0..n).map(|k| (2 + n + k) as i64).collect();
+    reduce(kind, &t, &axes, out)
+}
+
+/// StableHLO `select_and_scatter` with `select = GE` and `scatter = add` (max pooling's
+/// gradient), as XLA evaluates it: each window is scanned in row-major order, skipping padding;
+/// the first element initializes the selection, and a later element replaces it unless
+/// `selected >= candidate` (so ties keep the first maximum, and a NaN on either side moves the
+/// selection on). Each `source` element is then added at its window's selected position.
 fn select_and_scatter(
     w: &WindowAttrs,
     x: &Tensor,
@@ -474,20 +506,37 @@ fn select_and_scatter(
     st: &TensorType,
 ) -> Result<Tensor> {
     let n = w.window.len();
-    let t = windows(x, w, identity(ReduceKind::Max, xt.dtype))?;
     let (batch, chan) = (xt.shape.dim(0) as i64, xt.shape.dim(1) as i64);
     let out_sp: Vec<i64> = (0..n).map(|k| st.shape.dim(k + 2) as i64).collect();
     let win: Vec<i64> = w.window.iter().map(|&k| k as i64).collect();
     let padded: Vec<i64> = (0..n)
         .map(|k| (xt.shape.dim(k + 2) + w.padding[k].0 + w.padding[k].1) as i64)
         .collect();
-    // Flatten each window and take its first maximum.
+    let ksize: i64 = win.iter().product();
     let mut flat_shape = vec![batch, chan];
     flat_shape.extend_from_slice(&out_sp);
-    flat_shape.push(win.iter().product());
-    let arg = t.f_reshape(&flat_shape)?.f_argmax(-1, false)?;
+    flat_shape.push(ksize);
+    let vals = windows(x, w, &identity(ReduceKind::Max, xt.dtype)?)?.f_reshape(&flat_shape)?;
+    let real = Tensor::f_ones(xt.shape.to_i64(), (Kind::Bool, tch::Device::Cpu))?;
+    let no = Tensor::f_zeros([0i64; 0], (Kind::Bool, tch::Device::Cpu))?;
+    let valid = windows(&real, w, &no)?.f_reshape(&flat_shape)?;
+    // The scan over window offsets.
+    let mut cur = vals.f_select(-1, 0)?;
+    let mut has = valid.f_select(-1, 0)?;
+    let mut sel = Tensor::f_zeros_like(&has)?.f_to_kind(Kind::Int64)?;
+    for k in 1..ksize {
+        let cand = vals.f_select(-1, k)?;
+        let v = valid.f_select(-1, k)?;
+        let take = v.f_logical_and(
+            &has.f_logical_not()?
+                .f_logical_or(&cur.f_ge_tensor(&cand)?.f_logical_not()?)?,
+        )?;
+        cur = cand.f_where_self(&take, &cur)?;
+        sel = sel.f_full_like(k)?.f_where_self(&take, &sel)?;
+        has = has.f_logical_or(&v)?;
+    }
     // Unravel the window offset and turn it into a linear index in the padded input.
-    let mut rem = arg;
+    let mut rem = sel;
     let mut lin = Tensor::f_zeros_like(&rem)?;
     let mut stride_in = 1i64;
     for k in (0..n).rev() {
@@ -520,7 +569,7 @@ fn select_and_scatter(
             1,
         )?;
     }
-    Ok(r)
+    wrap_u32(r, xt.dtype)
 }
 
 fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor, xt: &TensorType) -> Result<Tensor> {
@@ -536,15 +585,7 @@ fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor, xt: &TensorType) -> Result<Tensor
             interior.push(c.lhs_dilation[i] - 1);
         }
         let zero = scalar_like(0.0, xt.dtype)?;
-        x = pad(
-            &x,
-            &zero,
-            &low,
-            &high,
-            &interior,
-            &xt.shape.to_i64(),
-            xt.dtype,
-        )?;
+        x = pad(&x, &zero, &low, &high, &interior, &xt.shape.to_i64())?;
     }
     let stride: Vec<i64> = c.strides.iter().map(|&s| s as i64).collect();
     let dil: Vec<i64> = c.rhs_dilation.iter().map(|&s| s as i64).collect();
