@@ -1337,3 +1337,388 @@ fn pad() {
         }
     }
 }
+
+// ----- contractions and reductions -------------------------------------------------------------
+
+fn dd(lb: &[usize], rb: &[usize], lc: &[usize], rc: &[usize]) -> DotDims {
+    DotDims {
+        lhs_batch: lb.to_vec(),
+        rhs_batch: rb.to_vec(),
+        lhs_contract: lc.to_vec(),
+        rhs_contract: rc.to_vec(),
+    }
+}
+
+#[test]
+fn dot_general() {
+    let _r = Report;
+    type DotCase<'a> = (&'a [usize], &'a [usize], DotDims, &'a str);
+    let cases: Vec<DotCase> = vec![
+        (&[3, 4], &[4, 5], dd(&[], &[], &[1], &[0]), "ij,jk->ik"),
+        (&[4], &[4], dd(&[], &[], &[0], &[0]), "i,i->"),
+        (&[3, 4], &[4], dd(&[], &[], &[1], &[0]), "ij,j->i"),
+        (&[3], &[4], dd(&[], &[], &[], &[]), "i,j->ij"),
+        (&[4, 3], &[4, 5], dd(&[], &[], &[0], &[0]), "ji,jk->ik"),
+        (
+            &[2, 3, 4],
+            &[2, 4, 5],
+            dd(&[0], &[0], &[2], &[1]),
+            "bij,bjk->bik",
+        ),
+        // Batch dims that are not leading; result is batch, lhs free, rhs free.
+        (
+            &[3, 2, 4],
+            &[4, 5, 2],
+            dd(&[1], &[2], &[2], &[0]),
+            "ibj,jkb->bik",
+        ),
+        (
+            &[2, 3, 4],
+            &[3, 4, 5],
+            dd(&[], &[], &[1, 2], &[0, 1]),
+            "ijk,jkl->il",
+        ),
+        // The same contraction with the pairs listed in the other order.
+        (
+            &[2, 3, 4],
+            &[3, 4, 5],
+            dd(&[], &[], &[2, 1], &[1, 0]),
+            "ijk,jkl->il",
+        ),
+        (
+            &[2, 2, 3, 4],
+            &[2, 2, 4, 5],
+            dd(&[0, 1], &[0, 1], &[3], &[2]),
+            "abij,abjk->abik",
+        ),
+        (&[2, 3], &[2, 3], dd(&[0], &[0], &[1], &[1]), "bi,bi->b"),
+    ];
+    for d in DType::ALL {
+        if d == DType::Bool {
+            continue;
+        }
+        for (k, (ls, rs, dims, eq)) in cases.iter().enumerate() {
+            let (a, b) = if d.is_float() {
+                (randn(ls, d, k as u64), randn(rs, d, 50 + k as u64))
+            } else {
+                // Full-range integers: products and sums wrap.
+                (bits(ls, d, k as u64), bits(rs, d, 50 + k as u64))
+            };
+            let want = if d.is_float() {
+                let r = T::einsum(
+                    eq,
+                    &[tt(&a).to_kind(Kind::Double), tt(&b).to_kind(Kind::Double)],
+                    None::<&[i64]>,
+                );
+                th(&r, d)
+            } else {
+                // Int64 arithmetic wraps modulo 2^64; the low bits are the wrapped result.
+                let r = T::einsum(
+                    eq,
+                    &[tt(&a).to_kind(Kind::Int64), tt(&b).to_kind(Kind::Int64)],
+                    None::<&[i64]>,
+                );
+                th(&r, d)
+            };
+            let tol = match d {
+                DType::F32 => Tol::Close(1e-5, 1e-5),
+                _ => default_tol(d),
+            };
+            check(
+                "dot_general",
+                Op::DotGeneral(dims.clone()),
+                &[a, b],
+                &want,
+                tol,
+            );
+        }
+    }
+}
+
+#[test]
+fn reduce() {
+    let _r = Report;
+    use ReduceKind::*;
+    let shape = [2, 3, 4];
+    for d in [DType::F32, DType::F64, DType::I32, DType::I64, DType::U32] {
+        for (k, kind) in [Sum, Max, Min].into_iter().enumerate() {
+            for (j, axes) in [&[0][..], &[1], &[2], &[0, 2], &[0, 1, 2], &[]]
+                .iter()
+                .enumerate()
+            {
+                let seed = (k * 10 + j) as u64;
+                let x = if d.is_float() {
+                    // NaN must propagate through max and min; ±inf through all three.
+                    let x = randn(&shape, d, seed);
+                    if j % 2 == 0 {
+                        with_specials(&x, seed)
+                    } else {
+                        x
+                    }
+                } else {
+                    bits(&shape, d, seed)
+                };
+                let ax: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
+                let t = if d.is_float() {
+                    tt(&x).to_kind(Kind::Double)
+                } else {
+                    tt(&x)
+                };
+                let r = if axes.is_empty() {
+                    t
+                } else {
+                    match kind {
+                        Sum => t.sum_dim_intlist(ax.as_slice(), false, None::<Kind>),
+                        Max => t.amax(ax.as_slice(), false),
+                        Min => t.amin(ax.as_slice(), false),
+                    }
+                };
+                let want = th(&r, d);
+                let op = Op::Reduce {
+                    kind,
+                    axes: axes.to_vec(),
+                };
+                check(
+                    &format!("reduce {}", kind.name()),
+                    op,
+                    &[x],
+                    &want,
+                    default_tol(d),
+                );
+            }
+        }
+    }
+    // Reductions over nothing give the identity.
+    for d in [DType::F32, DType::I64, DType::U32] {
+        for kind in [Sum, Max, Min] {
+            let x = any_data(&[0, 3], d, 1);
+            let id = match (kind, d) {
+                (Sum, _) => 0.0,
+                (Max, DType::F32) => f64::NEG_INFINITY,
+                (Min, DType::F32) => f64::INFINITY,
+                (Max, DType::I64) => i64::MIN as f64,
+                (Min, DType::I64) => i64::MAX as f64,
+                (Max, _) => 0.0,
+                (Min, _) => u32::MAX as f64,
+            };
+            let want = convert_ref(&host(&[3], &[id; 3]), d);
+            let op = Op::Reduce {
+                kind,
+                axes: vec![0],
+            };
+            check("reduce of empty", op, &[x], &want, Tol::Exact);
+        }
+    }
+}
+
+// ----- windows ---------------------------------------------------------------------------------
+
+fn wa(window: &[usize], strides: &[usize], padding: &[(usize, usize)]) -> WindowAttrs {
+    WindowAttrs {
+        window: window.to_vec(),
+        strides: strides.to_vec(),
+        padding: padding.to_vec(),
+    }
+}
+
+/// `constant_pad_nd` arguments for the spatial dims (last dim first).
+fn spatial_pads<P: Copy + Into<i64>>(padding: &[(P, P)]) -> Vec<i64> {
+    padding
+        .iter()
+        .rev()
+        .flat_map(|&(l, h)| [l.into(), h.into()])
+        .collect()
+}
+
+fn window_cases() -> Vec<(Vec<usize>, WindowAttrs)> {
+    vec![
+        (vec![2, 3, 10], wa(&[3], &[2], &[(1, 1)])),
+        (vec![1, 2, 9], wa(&[4], &[1], &[(0, 0)])),
+        (vec![2, 2, 7, 6], wa(&[3, 2], &[2, 1], &[(1, 0), (0, 1)])),
+        (vec![1, 3, 5, 5], wa(&[2, 2], &[2, 2], &[(0, 1), (0, 1)])),
+        // The first row of windows lies entirely in the padding.
+        (vec![1, 1, 3, 3], wa(&[2, 2], &[1, 1], &[(2, 0), (0, 0)])),
+        (
+            vec![1, 2, 5, 4, 6],
+            wa(&[2, 2, 3], &[1, 2, 2], &[(0, 1), (1, 0), (1, 1)]),
+        ),
+    ]
+}
+
+/// torch max pooling (with indices) over 1-3 spatial dims, no padding, `f64`.
+fn max_pool(x: &T, w: &WindowAttrs) -> (T, T) {
+    let k: Vec<i64> = w.window.iter().map(|&v| v as i64).collect();
+    let s: Vec<i64> = w.strides.iter().map(|&v| v as i64).collect();
+    let z = vec![0i64; k.len()];
+    let one = vec![1i64; k.len()];
+    match k.len() {
+        1 => x.max_pool1d_with_indices(&k, &s, &z, &one, false),
+        2 => x.max_pool2d_with_indices(&k, &s, &z, &one, false),
+        _ => x.max_pool3d_with_indices(&k, &s, &z, &one, false),
+    }
+}
+
+fn sum_pool(x: &T, w: &WindowAttrs) -> T {
+    let k: Vec<i64> = w.window.iter().map(|&v| v as i64).collect();
+    let s: Vec<i64> = w.strides.iter().map(|&v| v as i64).collect();
+    let z = vec![0i64; k.len()];
+    let avg = match k.len() {
+        1 => x.avg_pool1d(&k, &s, &z, false, true),
+        2 => x.avg_pool2d(&k, &s, &z, false, true, None),
+        _ => x.avg_pool3d(&k, &s, &z, false, true, None),
+    };
+    avg * (k.iter().product::<i64>() as f64)
+}
+
+#[test]
+fn reduce_window() {
+    let _r = Report;
+    use ReduceKind::*;
+    for (c, (shape, w)) in window_cases().into_iter().enumerate() {
+        // f32 on every geometry; the other dtypes on a 2-D and a 3-D one (each case is an XLA
+        // kernel to compile).
+        for d in [DType::F32, DType::F64, DType::I32, DType::I64, DType::U32] {
+            if d != DType::F32 && c != 2 && c != 5 {
+                continue;
+            }
+            let x = if d.is_float() {
+                randn(&shape, d, c as u64)
+            } else {
+                ints(&shape, d, 0, 50, c as u64)
+            };
+            for kind in [Sum, Max, Min] {
+                // Reference in f64 with the identity as padding, then converted (saturating, so
+                // ±inf windows of pure padding become the integer identities).
+                let (fill, sign) = match kind {
+                    Sum => (0.0, 1.0),
+                    Max => (f64::NEG_INFINITY, 1.0),
+                    Min => (f64::NEG_INFINITY, -1.0),
+                };
+                let xt = tt(&x).to_kind(Kind::Double) * sign;
+                let xp = xt.constant_pad_nd(spatial_pads(
+                    &w.padding
+                        .iter()
+                        .map(|&(l, h)| (l as i64, h as i64))
+                        .collect::<Vec<_>>(),
+                ));
+                // constant_pad_nd pads with zeros: mark the padding through a second pass.
+                let mask = tt(&x)
+                    .ones_like()
+                    .to_kind(Kind::Double)
+                    .constant_pad_nd(spatial_pads(
+                        &w.padding
+                            .iter()
+                            .map(|&(l, h)| (l as i64, h as i64))
+                            .collect::<Vec<_>>(),
+                    ));
+                let xp = xp.where_self(&mask.ne(0.0), &xp.full_like(fill));
+                let r = match kind {
+                    Sum => sum_pool(&xp, &w),
+                    _ => max_pool(&xp, &w).0 * sign,
+                };
+                let want = convert_ref(&th(&r, DType::F64), d);
+                let op = Op::ReduceWindow {
+                    kind,
+                    attrs: w.clone(),
+                };
+                let tol = match d {
+                    DType::F32 => Tol::Close(1e-5, 1e-5),
+                    _ => default_tol(d),
+                };
+                check(
+                    &format!("reduce_window {}", kind.name()),
+                    op,
+                    &[x.clone()],
+                    &want,
+                    tol,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn select_and_scatter() {
+    let _r = Report;
+    for (c, (shape, w)) in window_cases().into_iter().enumerate() {
+        for d in [DType::F32, DType::F64, DType::I32] {
+            if d != DType::F32 && c != 3 && c != 5 {
+                continue;
+            }
+            // Small integer values: many ties, which must go to the first maximum.
+            let x = ints(&shape, d, -2, 2, c as u64);
+            let pads: Vec<(i64, i64)> = w
+                .padding
+                .iter()
+                .map(|&(l, h)| (l as i64, h as i64))
+                .collect();
+            let xt = tt(&x).to_kind(Kind::Double);
+            let mask = xt.ones_like().constant_pad_nd(spatial_pads(&pads));
+            let xp = xt.constant_pad_nd(spatial_pads(&pads));
+            let xp = xp.where_self(&mask.ne(0.0), &xp.full_like(f64::NEG_INFINITY));
+            let (pooled, idx) = max_pool(&xp, &w);
+            let pshape: Vec<usize> = pooled.size().iter().map(|&v| v as usize).collect();
+            let src = if d.is_float() {
+                randn(&pshape, d, 9 + c as u64)
+            } else {
+                ints(&pshape, d, -5, 5, 9 + c as u64)
+            };
+            // Scatter-add the source at torch's argmax positions in the padded input, then crop
+            // the padding (a window of pure padding selects nothing: its source is dropped).
+            let (n, ch) = (shape[0] as i64, shape[1] as i64);
+            let psize = xp.size();
+            let grad = xp
+                .zeros_like()
+                .reshape([n, ch, -1])
+                .scatter_add(
+                    2,
+                    &idx.reshape([n, ch, -1]),
+                    &tt(&src).to_kind(Kind::Double).reshape([n, ch, -1]),
+                )
+                .reshape(&psize);
+            let mut g = grad;
+            for (k, &(lo, _)) in pads.iter().enumerate() {
+                g = g.narrow(k as i64 + 2, lo, shape[k + 2] as i64);
+            }
+            let want = th(&g, d);
+            let tol = match d {
+                DType::F32 => Tol::Close(1e-5, 1e-5),
+                _ => default_tol(d),
+            };
+            check(
+                "select_and_scatter",
+                Op::SelectAndScatter(w.clone()),
+                &[x, src],
+                &want,
+                tol,
+            );
+        }
+    }
+    // NaN beats any number (the first NaN wins); padding never wins, not even against -inf.
+    let w = wa(&[4], &[4], &[(0, 0)]);
+    for (x, want) in [
+        ([1.0f32, f32::NAN, 3.0, 2.0], [0.0f32, 5.0, 0.0, 0.0]),
+        ([f32::NAN, 1.0, f32::NAN, 0.0], [5.0, 0.0, 0.0, 0.0]),
+        ([0.0, 1.0, 2.0, f32::NAN], [0.0, 0.0, 0.0, 5.0]),
+        ([2.0, 1.0, 2.0, 2.0], [5.0, 0.0, 0.0, 0.0]),
+    ] {
+        check(
+            "select_and_scatter NaN",
+            Op::SelectAndScatter(w.clone()),
+            &[host(&[1, 1, 4], &x), host(&[1, 1, 1], &[5.0f32])],
+            &host(&[1, 1, 4], &want),
+            Tol::Exact,
+        );
+    }
+    let inf = f32::NEG_INFINITY;
+    check(
+        "select_and_scatter -inf",
+        Op::SelectAndScatter(wa(&[2], &[1], &[(1, 1)])),
+        &[
+            host(&[1, 1, 2], &[inf, inf]),
+            host(&[1, 1, 3], &[1.0f32, 10.0, 100.0]),
+        ],
+        &host(&[1, 1, 2], &[11.0f32, 100.0]),
+        Tol::Exact,
+    );
+}

@@ -493,11 +493,10 @@ fn reduce_window(
     reduce(kind, &t, &axes, out)
 }
 
-/// StableHLO `select_and_scatter` with `select = GE` and `scatter = add` (max pooling's
-/// gradient), as XLA evaluates it: each window is scanned in row-major order, skipping padding;
-/// the first element initializes the selection, and a later element replaces it unless
-/// `selected >= candidate` (so ties keep the first maximum, and a NaN on either side moves the
-/// selection on). Each `source` element is then added at its window's selected position.
+/// Max pooling's gradient with the IR's selection rule (see [`Op::SelectAndScatter`]): in each
+/// window, padding is never selected; a NaN beats any number, then the larger value wins, and
+/// ties go to the first element in row-major order. Each `source` element is added at its
+/// window's selected position; a window of pure padding drops its element.
 fn select_and_scatter(
     w: &WindowAttrs,
     x: &Tensor,
@@ -512,29 +511,26 @@ fn select_and_scatter(
     let padded: Vec<i64> = (0..n)
         .map(|k| (xt.shape.dim(k + 2) + w.padding[k].0 + w.padding[k].1) as i64)
         .collect();
-    let ksize: i64 = win.iter().product();
     let mut flat_shape = vec![batch, chan];
     flat_shape.extend_from_slice(&out_sp);
-    flat_shape.push(ksize);
+    flat_shape.push(win.iter().product());
     let vals = windows(x, w, &identity(ReduceKind::Max, xt.dtype)?)?.f_reshape(&flat_shape)?;
     let real = Tensor::f_ones(xt.shape.to_i64(), (Kind::Bool, tch::Device::Cpu))?;
     let no = Tensor::f_zeros([0i64; 0], (Kind::Bool, tch::Device::Cpu))?;
     let valid = windows(&real, w, &no)?.f_reshape(&flat_shape)?;
-    // The scan over window offsets.
-    let mut cur = vals.f_select(-1, 0)?;
-    let mut has = valid.f_select(-1, 0)?;
-    let mut sel = Tensor::f_zeros_like(&has)?.f_to_kind(Kind::Int64)?;
-    for k in 1..ksize {
-        let cand = vals.f_select(-1, k)?;
-        let v = valid.f_select(-1, k)?;
-        let take = v.f_logical_and(
-            &has.f_logical_not()?
-                .f_logical_or(&cur.f_ge_tensor(&cand)?.f_logical_not()?)?,
-        )?;
-        cur = cand.f_where_self(&take, &cur)?;
-        sel = sel.f_full_like(k)?.f_where_self(&take, &sel)?;
-        has = has.f_logical_or(&v)?;
+    // Candidates: the NaNs if the window has any, else the elements equal to its maximum.
+    let max = vals.f_amax([-1i64].as_slice(), true)?;
+    let mut hit = vals.f_eq_tensor(&max)?;
+    if xt.dtype.is_float() {
+        let nan = vals.f_isnan()?.f_logical_and(&valid)?;
+        let any_nan = nan.f_any_dim(-1, true)?;
+        hit = nan.f_where_self(&any_nan, &hit)?;
     }
+    let hit = hit.f_logical_and(&valid)?;
+    let found = hit.f_any_dim(-1, false)?;
+    // The first candidate (argmax returns the first maximal index).
+    let sel = hit.f_to_kind(Kind::Int)?.f_argmax(-1, false)?;
+    let source = source.f_where_self(&found, &source.f_zeros_like()?)?;
     // Unravel the window offset and turn it into a linear index in the padded input.
     let mut rem = sel;
     let mut lin = Tensor::f_zeros_like(&rem)?;
