@@ -1722,3 +1722,250 @@ fn select_and_scatter() {
         Tol::Exact,
     );
 }
+
+// ----- convolution -----------------------------------------------------------------------------
+
+struct ConvCase {
+    x: Vec<usize>,
+    k: Vec<usize>,
+    attrs: ConvAttrs,
+}
+
+fn conv_case(x: &[usize], k: &[usize], f: impl FnOnce(&mut ConvAttrs)) -> ConvCase {
+    let mut attrs = ConvAttrs::plain(x.len() - 2);
+    f(&mut attrs);
+    ConvCase {
+        x: x.to_vec(),
+        k: k.to_vec(),
+        attrs,
+    }
+}
+
+/// torch convolution (no bias) with padding, stride and kernel dilation, in `f64`. Edge padding
+/// (asymmetric, negative) is applied to the input first.
+fn torch_conv(x: &T, k: &T, a: &ConvAttrs) -> T {
+    let pads: Vec<(i64, i64)> = a.padding.clone();
+    let x = x.constant_pad_nd(spatial_pads(&pads));
+    let s: Vec<i64> = a.strides.iter().map(|&v| v as i64).collect();
+    let dil: Vec<i64> = a.rhs_dilation.iter().map(|&v| v as i64).collect();
+    let z = vec![0i64; s.len()];
+    x.convolution(
+        k,
+        None::<T>,
+        &s,
+        &z,
+        &dil,
+        false,
+        &z,
+        a.feature_groups as i64,
+    )
+}
+
+/// Independent reference for every `ConvAttrs`, following StableHLO's definition:
+/// - `lhs_dilation` through torch's transposed convolution: a convolution of the input dilated
+///   by `s` and padded by `(k-1-p, k-1-p+op)` with kernel `K` equals `conv_transpose(x, W,
+///   stride s, padding p, output_padding op)` with `W = flip(K)` with in/out swapped;
+/// - `batch_group_count = g`: split the input batch into `g` contiguous groups and the output
+///   features into `g` groups, convolve group with group, concatenate the features.
+fn conv_ref(x: &T, k: &T, a: &ConvAttrs) -> T {
+    if a.batch_groups > 1 {
+        let g = a.batch_groups as i64;
+        let xs = x.chunk(g, 0);
+        let ks = k.chunk(g, 0);
+        let mut one = a.clone();
+        one.batch_groups = 1;
+        let parts: Vec<T> = xs
+            .iter()
+            .zip(&ks)
+            .map(|(x, k)| torch_conv(x, k, &one))
+            .collect();
+        return T::cat(&parts, 1);
+    }
+    if a.lhs_dilation.iter().any(|&d| d > 1) {
+        let n = a.strides.len();
+        assert!(a.strides.iter().all(|&s| s == 1) && a.rhs_dilation.iter().all(|&s| s == 1));
+        let ksz: Vec<i64> = (0..n).map(|i| k.size()[i + 2]).collect();
+        let p: Vec<i64> = (0..n).map(|i| ksz[i] - 1 - a.padding[i].0).collect();
+        let op: Vec<i64> = (0..n).map(|i| a.padding[i].1 - a.padding[i].0).collect();
+        let s: Vec<i64> = a.lhs_dilation.iter().map(|&v| v as i64).collect();
+        let dims: Vec<i64> = (2..2 + n as i64).collect();
+        let w = k.flip(&dims).transpose(0, 1);
+        let one = vec![1i64; n];
+        return x.convolution(&w, None::<T>, &s, &p, &one, true, &op, 1);
+    }
+    torch_conv(x, k, a)
+}
+
+#[test]
+fn conv() {
+    let _r = Report;
+    let cases = vec![
+        conv_case(&[2, 3, 7, 6], &[4, 3, 3, 2], |_| {}),
+        conv_case(&[2, 3, 7, 6], &[4, 3, 3, 3], |a| {
+            a.strides = vec![2, 1];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        conv_case(&[1, 2, 6, 5], &[3, 2, 3, 2], |a| {
+            a.padding = vec![(2, 0), (0, 1)]
+        }),
+        conv_case(&[1, 2, 6, 7], &[3, 2, 2, 3], |a| {
+            a.padding = vec![(-1, 1), (1, -2)]
+        }),
+        conv_case(&[2, 2, 8, 7], &[3, 2, 3, 2], |a| {
+            a.rhs_dilation = vec![2, 3];
+            a.padding = vec![(1, 2), (0, 1)];
+            a.strides = vec![1, 2];
+        }),
+        conv_case(&[2, 6, 5, 5], &[9, 2, 3, 3], |a| a.feature_groups = 3),
+        // Depthwise with channel multiplier 2.
+        conv_case(&[2, 4, 6, 6], &[8, 1, 3, 3], |a| {
+            a.feature_groups = 4;
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        conv_case(&[4, 3, 5, 5], &[6, 3, 2, 2], |a| a.batch_groups = 2),
+        conv_case(&[3, 2, 6, 5], &[6, 2, 3, 3], |a| {
+            a.batch_groups = 3;
+            a.strides = vec![2, 1];
+            a.padding = vec![(1, 0), (1, 1)];
+        }),
+        // Transposed convolution: lhs dilation 2, p = 1, output padding 1.
+        conv_case(&[1, 3, 4, 4], &[2, 3, 3, 3], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.padding = vec![(1, 2), (1, 2)];
+        }),
+        conv_case(&[2, 3, 10], &[4, 3, 3], |a| {
+            a.strides = vec![2];
+            a.padding = vec![(1, 2)];
+            a.rhs_dilation = vec![2];
+        }),
+        conv_case(&[1, 2, 5], &[3, 2, 2], |a| {
+            a.lhs_dilation = vec![3];
+            a.padding = vec![(1, 1)];
+        }),
+        conv_case(&[1, 2, 4, 4, 5], &[2, 2, 2, 2, 3], |a| {
+            a.strides = vec![1, 2, 1];
+            a.padding = vec![(0, 1), (1, 0), (1, 1)];
+        }),
+    ];
+    for (c, case) in cases.iter().enumerate() {
+        for d in FLOATS {
+            if d == DType::F64 && c % 3 != 0 {
+                continue;
+            }
+            let x = randn(&case.x, d, c as u64);
+            let k = randn(&case.k, d, 100 + c as u64);
+            let r = conv_ref(
+                &tt(&x).to_kind(Kind::Double),
+                &tt(&k).to_kind(Kind::Double),
+                &case.attrs,
+            );
+            let want = th(&r, d);
+            let tol = match d {
+                DType::F32 => Tol::Close(1e-4, 1e-4),
+                _ => Tol::Close(1e-10, 1e-10),
+            };
+            check("conv", Op::Conv(case.attrs.clone()), &[x, k], &want, tol);
+        }
+    }
+}
+
+// ----- gather / scatter ------------------------------------------------------------------------
+
+/// Splits an index of `x[..axis] ++ idx_shape ++ x[axis+1..]` into (x index with the clamped
+/// looked-up position, position in the index tensor).
+fn take_index(
+    o: &[usize],
+    axis: usize,
+    idx_rank: usize,
+    idx: &[i64],
+    idx_shape: &[usize],
+    n: usize,
+) -> (Vec<usize>, usize) {
+    let ipos = ravel(&o[axis..axis + idx_rank], idx_shape);
+    let j = idx[ipos].clamp(0, n as i64 - 1) as usize;
+    let mut xi = o[..axis].to_vec();
+    xi.push(j);
+    xi.extend_from_slice(&o[axis + idx_rank..]);
+    (xi, ipos)
+}
+
+fn take_cases() -> Vec<(Vec<usize>, usize, Vec<usize>, Vec<i64>)> {
+    vec![
+        // Out-of-range indices are clamped.
+        (vec![5, 3], 0, vec![6], vec![4, -2, 0, 7, 2, 4]),
+        (vec![2, 5, 3], 1, vec![2, 2], vec![1, 4, 9, -1]),
+        (vec![4], 0, vec![], vec![2]),
+        (vec![3, 4], 1, vec![5], vec![3, 3, 0, -7, 100]),
+        (vec![4, 2], 0, vec![], vec![-3]),
+    ]
+}
+
+#[test]
+fn take() {
+    let _r = Report;
+    for (c, (xs, axis, is, iv)) in take_cases().into_iter().enumerate() {
+        for d in [DType::F32, DType::I64, DType::Bool, DType::U32] {
+            for id in [DType::I32, DType::I64] {
+                let x = any_data(&xs, d, c as u64);
+                let idx = map_ints(id, &is, iv.clone());
+                let mut out = xs[..axis].to_vec();
+                out.extend_from_slice(&is);
+                out.extend_from_slice(&xs[axis + 1..]);
+                let want = gather_ref(&[&x], None, &out, |o| {
+                    Some((0, take_index(o, axis, is.len(), &iv, &is, xs[axis]).0))
+                });
+                check("take", Op::Take { axis }, &[x, idx], &want, Tol::Exact);
+            }
+        }
+    }
+}
+
+#[test]
+fn scatter_add() {
+    let _r = Report;
+    for (c, (xs, axis, is, iv)) in take_cases().into_iter().enumerate() {
+        for d in [DType::F32, DType::F64, DType::I32, DType::U32] {
+            let id = if c % 2 == 0 { DType::I64 } else { DType::I32 };
+            let mut us = xs[..axis].to_vec();
+            us.extend_from_slice(&is);
+            us.extend_from_slice(&xs[axis + 1..]);
+            let (base, upd) = if d.is_float() {
+                (randn(&xs, d, c as u64), randn(&us, d, 10 + c as u64))
+            } else {
+                // Full-range values: u32 sums wrap.
+                (bits(&xs, d, c as u64), bits(&us, d, 10 + c as u64))
+            };
+            // Reference: a loop over the updates, accumulating duplicates (f64, or wrapping
+            // integers).
+            let want = if d.is_float() {
+                let mut acc = base.to_f64_vec();
+                let u = upd.to_f64_vec();
+                for (i, &v) in u.iter().enumerate() {
+                    let (xi, _) = take_index(&unravel(i, &us), axis, is.len(), &iv, &is, xs[axis]);
+                    acc[ravel(&xi, &xs)] += v;
+                }
+                floats(&xs, d, {
+                    let mut it = acc.into_iter();
+                    move || it.next().unwrap()
+                })
+            } else {
+                let mut acc = int_values(&base);
+                let u = int_values(&upd);
+                for (i, &v) in u.iter().enumerate() {
+                    let (xi, _) = take_index(&unravel(i, &us), axis, is.len(), &iv, &is, xs[axis]);
+                    let j = ravel(&xi, &xs);
+                    acc[j] = int_binary(BinaryOp::Add, d, acc[j], v);
+                }
+                map_ints(d, &xs, acc)
+            };
+            let idx = map_ints(id, &is, iv.clone());
+            check(
+                "scatter_add",
+                Op::ScatterAdd { axis },
+                &[base, idx, upd],
+                &want,
+                default_tol(d),
+            );
+        }
+    }
+}
