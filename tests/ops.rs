@@ -428,16 +428,6 @@ fn th(t: &T, dtype: DType) -> HostTensor {
     }
 }
 
-fn kind(d: DType) -> Kind {
-    match d {
-        DType::Bool => Kind::Bool,
-        DType::U32 | DType::I64 => Kind::Int64,
-        DType::I32 => Kind::Int,
-        DType::F32 => Kind::Float,
-        DType::F64 => Kind::Double,
-    }
-}
-
 /// Elementwise reference in Rust over `i64` views of integer values (bools as 0/1).
 fn map_ints(out: DType, shape: &[usize], v: Vec<i64>) -> HostTensor {
     match out {
@@ -492,10 +482,10 @@ fn with_specials(h: &HostTensor, seed: u64) -> HostTensor {
     }
 }
 
-/// Shapes for elementwise ops: a scalar and a rank-3 tensor (odd sizes, so vectorised loops
+/// Shapes for elementwise ops: a scalar, a vector and a rank-3 tensor (odd sizes, so vectorised loops
 /// have tails). Each case is one XLA kernel (~20 ms to compile here), so shapes are few and the
 /// values carry the coverage (specials, extremes).
-const SHAPES: [&[usize]; 2] = [&[], &[2, 3, 5]];
+const SHAPES: [&[usize]; 3] = [&[], &[7], &[2, 3, 5]];
 const FLOATS: [DType; 2] = [DType::F32, DType::F64];
 const INTS: [DType; 3] = [DType::U32, DType::I32, DType::I64];
 
@@ -1967,5 +1957,462 @@ fn scatter_add() {
                 default_tol(d),
             );
         }
+    }
+}
+
+// ----- property tests over random shapes -------------------------------------------------------
+
+/// Runs the queued cases now and returns their failures (for proptest, which needs a verdict
+/// per case).
+fn flush_now() -> Result<(), String> {
+    flush();
+    let f = FAILURES.with(|f| std::mem::take(&mut *f.borrow_mut()));
+    if f.is_empty() {
+        Ok(())
+    } else {
+        Err(f.join("\n"))
+    }
+}
+
+/// Two shapes that broadcast together: a common shape, each side dropping some leading dims
+/// and replacing some dims by 1.
+fn broadcast_shapes() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
+    prop::collection::vec((1usize..5, any::<bool>(), any::<bool>()), 0..5)
+        .prop_flat_map(|v| {
+            let n = v.len();
+            (Just(v), 0..=n, 0..=n)
+        })
+        .prop_map(|(v, da, db)| {
+            let a = v[da..]
+                .iter()
+                .map(|&(d, o, _)| if o { 1 } else { d })
+                .collect();
+            let b = v[db..]
+                .iter()
+                .map(|&(d, _, o)| if o { 1 } else { d })
+                .collect();
+            (a, b)
+        })
+}
+
+/// A shape, a same-size reshape target, a permutation, and a strided slice of it.
+#[allow(clippy::type_complexity)]
+fn shape_ops() -> impl Strategy<
+    Value = (
+        Vec<usize>,
+        Vec<usize>,
+        Vec<usize>,
+        Vec<(usize, usize, usize)>,
+    ),
+> {
+    prop::collection::vec(1usize..5, 0..5).prop_flat_map(|dims| {
+        let n = dims.len();
+        let perm = Just((0..n).collect::<Vec<usize>>()).prop_shuffle();
+        let merges = prop::collection::vec(any::<bool>(), n);
+        let slices: Vec<_> = dims
+            .iter()
+            .map(|&d| (0..=d).prop_flat_map(move |s| (Just(s), s..=d, 1usize..4)))
+            .collect();
+        (Just(dims), perm.clone(), merges, perm, slices).prop_map(
+            |(dims, rperm, merges, perm, slices)| {
+                // Reshape target: the dims in another order, some neighbours merged, a 1 added.
+                let mut target: Vec<usize> = Vec::new();
+                for (i, &p) in rperm.iter().enumerate() {
+                    match target.last_mut() {
+                        Some(last) if merges[i] => *last *= dims[p],
+                        _ => target.push(dims[p]),
+                    }
+                }
+                if merges.first() == Some(&true) {
+                    target.insert(0, 1);
+                }
+                (dims, target, perm, slices)
+            },
+        )
+    })
+}
+
+fn dtype_strategy() -> impl Strategy<Value = DType> {
+    prop::sample::select(DType::ALL.to_vec())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Reshape, transpose and slice as one-op graphs on random shapes and dtypes.
+    #[test]
+    fn prop_reshape_transpose_slice((dims, target, perm, slices) in shape_ops(), d in dtype_strategy(), seed in 0u64..1000) {
+        let x = any_data(&dims, d, seed);
+        let want = HostTensor::from_bytes(TensorType::new(d, target.as_slice()), x.bytes().to_vec()).unwrap();
+        check("reshape", Op::Reshape(Shape::new(&target)), &[x.clone()], &want, Tol::Exact);
+        check("transpose", Op::Transpose(perm.clone()), &[x.clone()], &transpose_ref(&x, &perm), Tol::Exact);
+        let (start, limit, stride): (Vec<_>, Vec<_>, Vec<_>) = (
+            slices.iter().map(|s| s.0).collect(),
+            slices.iter().map(|s| s.1).collect(),
+            slices.iter().map(|s| s.2).collect(),
+        );
+        let want = slice_ref(&x, &start, &limit, &stride);
+        check("slice", Op::Slice { start, limit, stride }, &[x], &want, Tol::Exact);
+        let r = flush_now();
+        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+    }
+
+    /// Broadcasting binary ops and comparisons at the `Tensor` level: eagerly (libtorch's own
+    /// broadcasting), and traced + compiled on both backends (explicit `broadcast` ops), against
+    /// libtorch.
+    #[test]
+    fn prop_broadcasting_binary((sa, sb) in broadcast_shapes(), seed in 0u64..1000) {
+        let a = randn(&sa, DType::F32, seed);
+        let b = randn(&sb, DType::F32, seed + 1);
+        let ia = ints(&sa, DType::I32, -5, 5, seed + 2);
+        let ib = ints(&sb, DType::I32, 1, 5, seed + 3);
+        let f = |xs: &[kiln::Tensor]| -> kiln::Result<Vec<kiln::Tensor>> {
+            let (a, b, ia, ib) = (&xs[0], &xs[1], &xs[2], &xs[3]);
+            Ok(vec![
+                a.add(b)?, a.sub(b)?, a.mul(b)?, a.div(b)?, a.maximum(b)?, a.minimum(b)?,
+                a.lt(b)?, a.ge(b)?, ia.div(ib)?, ia.rem(ib)?, ia.mul(ib)?,
+                a.gt(b)?.select(a, &b.neg()?)?,
+            ])
+        };
+        let (ta, tb, tia, tib) = (tt(&a), tt(&b), tt(&ia), tt(&ib));
+        let want = vec![
+            th(&(&ta + &tb), DType::F32), th(&(&ta - &tb), DType::F32),
+            th(&(&ta * &tb), DType::F32), th(&(&ta / &tb), DType::F32),
+            th(&ta.maximum(&tb), DType::F32), th(&ta.minimum(&tb), DType::F32),
+            th(&ta.lt_tensor(&tb), DType::Bool), th(&ta.ge_tensor(&tb), DType::Bool),
+            th(&tia.divide_tensor_mode(&tib, "trunc"), DType::I32),
+            th(&tia.fmod_tensor(&tib), DType::I32), th(&(&tia * &tib), DType::I32),
+            th(&ta.where_self(&ta.gt_tensor(&tb), &tb.neg()), DType::F32),
+        ];
+        let r = check_fn("broadcasting binary", &[a, b, ia, ib], f, &want, F32);
+        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+    }
+}
+
+// ----- tensor-level compositions ---------------------------------------------------------------
+
+/// Runs `f` eagerly (libtorch fast paths), and traced + compiled with `kiln::compile` on the XLA
+/// and the eager backend; compares every output of each with `want`.
+fn check_fn<F>(
+    name: &str,
+    inputs: &[HostTensor],
+    f: F,
+    want: &[HostTensor],
+    tol: Tol,
+) -> Result<(), String>
+where
+    F: Fn(&[kiln::Tensor]) -> kiln::Result<Vec<kiln::Tensor>> + Clone + 'static,
+{
+    let xs: Vec<kiln::Tensor> = inputs
+        .iter()
+        .map(|h| kiln::Tensor::from_host(h).unwrap())
+        .collect();
+    let mut errs = Vec::new();
+    let mut cmp = |mode: &str, r: kiln::Result<Vec<kiln::Tensor>>| match r {
+        Ok(outs) if outs.len() != want.len() => errs.push(format!(
+            "{name} [{mode}]: {} outputs, expected {}",
+            outs.len(),
+            want.len()
+        )),
+        Ok(outs) => {
+            for (i, (o, w)) in outs.iter().zip(want).enumerate() {
+                let what = format!("{name} [{mode}] output {i}");
+                match o.to_host() {
+                    Ok(h) => {
+                        if let Err(e) = compare(&what, &h, w, tol) {
+                            errs.push(e);
+                        }
+                    }
+                    Err(e) => errs.push(format!("{what}: {e}")),
+                }
+            }
+        }
+        Err(e) => errs.push(format!("{name} [{mode}]: {e}")),
+    };
+    cmp("eager", tch::no_grad(|| f(&xs)));
+    cmp("xla", kiln::compile(xla().clone(), f.clone()).run(&xs));
+    cmp(
+        "eager backend",
+        kiln::compile(EagerBackend::new(), f).run(&xs),
+    );
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(errs.join("\n"))
+    }
+}
+
+/// `check_fn` for a test body: records failures in the test's report.
+fn check_fn_report<F>(name: &str, inputs: &[HostTensor], f: F, want: &[T], tol: Tol)
+where
+    F: Fn(&[kiln::Tensor]) -> kiln::Result<Vec<kiln::Tensor>> + Clone + 'static,
+{
+    let want: Vec<HostTensor> = want
+        .iter()
+        .map(|t| {
+            let d = match t.kind() {
+                Kind::Bool => DType::Bool,
+                Kind::Int => DType::I32,
+                Kind::Int64 => DType::I64,
+                Kind::Double => DType::F64,
+                _ => DType::F32,
+            };
+            th(t, d)
+        })
+        .collect();
+    if let Err(e) = check_fn(name, inputs, f, &want, tol) {
+        fail(e);
+    }
+}
+
+type Outs = kiln::Result<Vec<kiln::Tensor>>;
+
+#[test]
+fn matmul_compositions() {
+    let _r = Report;
+    let tol = Tol::Close(1e-5, 1e-5);
+    let pairs: [(&[usize], &[usize]); 9] = [
+        (&[4], &[4]),
+        (&[3, 4], &[4]),
+        (&[4], &[4, 5]),
+        (&[3, 4], &[4, 5]),
+        (&[2, 3, 4], &[2, 4, 5]),
+        (&[2, 1, 3, 4], &[5, 4, 2]),
+        (&[2, 3, 4], &[4, 5]),
+        (&[4], &[2, 4, 3]),
+        (&[2, 3, 4], &[4]),
+    ];
+    for (k, (sa, sb)) in pairs.into_iter().enumerate() {
+        let a = randn(sa, DType::F32, k as u64);
+        let b = randn(sb, DType::F32, 20 + k as u64);
+        let want = tt(&a)
+            .to_kind(Kind::Double)
+            .matmul(&tt(&b).to_kind(Kind::Double))
+            .to_kind(Kind::Float);
+        check_fn_report(
+            &format!("matmul {sa:?} x {sb:?}"),
+            &[a, b],
+            |xs: &[kiln::Tensor]| -> Outs { Ok(vec![xs[0].matmul(&xs[1])?]) },
+            &[want],
+            tol,
+        );
+    }
+}
+
+#[test]
+fn reductions_and_normalisations() {
+    let _r = Report;
+    let x = randn(&[3, 4, 5], DType::F32, 1);
+    let t = tt(&x);
+    let tol = Tol::Close(1e-5, 1e-6);
+    check_fn_report(
+        "softmax / log_softmax",
+        &[x.clone()],
+        |xs: &[kiln::Tensor]| -> Outs {
+            let x = &xs[0];
+            Ok(vec![
+                x.softmax(-1)?,
+                x.softmax(0)?,
+                x.log_softmax(1)?,
+                x.log_softmax(-1)?,
+            ])
+        },
+        &[
+            t.softmax(-1, Kind::Float),
+            t.softmax(0, Kind::Float),
+            t.log_softmax(1, Kind::Float),
+            t.log_softmax(-1, Kind::Float),
+        ],
+        tol,
+    );
+    check_fn_report(
+        "mean / var / sum keepdim",
+        &[x.clone()],
+        |xs: &[kiln::Tensor]| -> Outs {
+            let x = &xs[0];
+            Ok(vec![
+                x.mean(&[-1], false)?,
+                x.mean(&[0, 2], true)?,
+                x.var(&[1], true, false)?,
+                x.var(&[0, 2], false, true)?,
+                x.sum(&[1], true)?,
+                x.sum(&[0, 1, 2], false)?,
+                x.mean_all()?,
+                x.sum_all()?,
+            ])
+        },
+        &[
+            t.mean_dim([-1i64].as_slice(), false, None::<Kind>),
+            t.mean_dim([0i64, 2].as_slice(), true, None::<Kind>),
+            t.var_dim([1i64].as_slice(), true, false),
+            t.var_dim([0i64, 2].as_slice(), false, true),
+            t.sum_dim_intlist([1i64].as_slice(), true, None::<Kind>),
+            t.sum(None::<Kind>),
+            t.mean(None::<Kind>),
+            t.sum(None::<Kind>),
+        ],
+        tol,
+    );
+    // Integer sums keep their dtype.
+    let i = ints(&[3, 4], DType::I64, -100, 100, 3);
+    check_fn_report(
+        "int sum keepdim",
+        &[i.clone()],
+        |xs: &[kiln::Tensor]| -> Outs { Ok(vec![xs[0].sum(&[0], true)?, xs[0].max(&[1], false)?]) },
+        &[
+            tt(&i).sum_dim_intlist([0i64].as_slice(), true, None::<Kind>),
+            tt(&i).amax([1i64].as_slice(), false),
+        ],
+        Tol::Bits,
+    );
+}
+
+#[test]
+fn shape_compositions() {
+    let _r = Report;
+    let x = randn(&[2, 3, 4], DType::F32, 2);
+    let y = randn(&[2, 3, 4], DType::F32, 3);
+    let t = tt(&x);
+    let u = tt(&y);
+    check_fn_report(
+        "reshape -1 / flatten / unsqueeze / squeeze / transpose",
+        &[x.clone()],
+        |xs: &[kiln::Tensor]| -> Outs {
+            let x = &xs[0];
+            Ok(vec![
+                x.reshape(&[-1, 4])?,
+                x.reshape(&[4, -1])?,
+                x.flatten(1, 2)?,
+                x.flatten(0, -1)?,
+                x.unsqueeze(1)?,
+                x.unsqueeze(-1)?,
+                x.unsqueeze(0)?.squeeze(0)?,
+                x.transpose(0, 2)?,
+                x.t()?,
+                x.narrow(2, 1, 2)?,
+                x.slice(1, 0, 3, 2)?,
+                x.flip(&[0, -1])?,
+            ])
+        },
+        &[
+            t.reshape([-1, 4]),
+            t.reshape([4, -1]),
+            t.flatten(1, 2),
+            t.flatten(0, -1),
+            t.unsqueeze(1),
+            t.unsqueeze(-1),
+            t.shallow_clone(),
+            t.transpose(0, 2),
+            t.transpose(-2, -1),
+            t.narrow(2, 1, 2),
+            t.slice(1, 0, 3, 2),
+            t.flip([0i64, 2]),
+        ],
+        Tol::Exact,
+    );
+    check_fn_report(
+        "cat / stack",
+        &[x.clone(), y.clone()],
+        |xs: &[kiln::Tensor]| -> Outs {
+            let (a, b) = (xs[0].clone(), xs[1].clone());
+            Ok(vec![
+                kiln::Tensor::cat(&[a.clone(), b.clone(), a.clone()], 1)?,
+                kiln::Tensor::cat(&[a.clone(), b.clone()], -1)?,
+                kiln::Tensor::stack(&[a.clone(), b.clone()], 0)?,
+                kiln::Tensor::stack(&[a, b], 3)?,
+            ])
+        },
+        &[
+            T::cat(&[&t, &u, &t], 1),
+            T::cat(&[&t, &u], -1),
+            T::stack(&[&t, &u], 0),
+            T::stack(&[&t, &u], 3),
+        ],
+        Tol::Exact,
+    );
+}
+
+#[test]
+fn elementwise_compositions() {
+    let _r = Report;
+    let x = randn(&[3, 4], DType::F32, 4);
+    let y = randn(&[4], DType::F32, 5);
+    let c = bits(&[3, 1], DType::Bool, 6);
+    let (t, u, tc) = (tt(&x), tt(&y), tt(&c));
+    check_fn_report(
+        "select (where) / clamp / relu / dropout(eval)",
+        &[x.clone(), y.clone(), c.clone()],
+        |xs: &[kiln::Tensor]| -> Outs {
+            let (x, y, c) = (&xs[0], &xs[1], &xs[2]);
+            Ok(vec![
+                c.select(x, y)?,
+                c.select(x, &kiln::Tensor::scalar(0.5, DType::F32)?)?,
+                x.clamp(-0.5, 0.7)?,
+                x.relu()?,
+                x.dropout(0.3, false)?,
+                x.sigmoid()?.mul(&x.tanh()?)?.add_scalar(1.0)?,
+            ])
+        },
+        &[
+            t.where_self(&tc, &u),
+            t.where_self(&tc, &T::from(0.5f32)),
+            t.clamp(-0.5, 0.7),
+            t.relu(),
+            t.shallow_clone(),
+            t.sigmoid() * t.tanh() + 1.0,
+        ],
+        Tol::Close(1e-5, 1e-6),
+    );
+    let w = randn(&[5, 4], DType::F32, 7);
+    let b = randn(&[5], DType::F32, 8);
+    let x3 = randn(&[2, 3, 4], DType::F32, 9);
+    let (tw, tb, t3) = (tt(&w), tt(&b), tt(&x3));
+    check_fn_report(
+        "linear",
+        &[x.clone(), w, b, x3],
+        |xs: &[kiln::Tensor]| -> Outs {
+            let (x, w, b, x3) = (&xs[0], &xs[1], &xs[2], &xs[3]);
+            Ok(vec![
+                x.linear(w, Some(b))?,
+                x.linear(w, None)?,
+                x3.linear(w, Some(b))?,
+            ])
+        },
+        &[
+            t.linear(&tw, Some(&tb)),
+            t.linear(&tw, None::<T>),
+            t3.linear(&tw, Some(&tb)),
+        ],
+        Tol::Close(1e-5, 1e-5),
+    );
+}
+
+/// Dropout in training draws its mask from threefry on the graph's key: XLA and the eager
+/// interpreter give bit-identical outputs for the same seed, and about `p` of the elements are
+/// zeroed, the rest scaled by `1 / (1 - p)`.
+#[test]
+fn dropout_train_is_identical_across_backends() {
+    let x = kiln::Tensor::from_host(&uniform(&[64, 64], DType::F32, 1.0, 2.0, 1)).unwrap();
+    let f = |xs: &[kiln::Tensor]| -> Outs { Ok(vec![xs[0].dropout(0.25, true)?]) };
+    let a = kiln::compile(xla().clone(), f)
+        .with_seed(7)
+        .run(std::slice::from_ref(&x))
+        .unwrap();
+    let b = kiln::compile(EagerBackend::new(), f)
+        .with_seed(7)
+        .run(std::slice::from_ref(&x))
+        .unwrap();
+    let (a, b) = (a[0].to_host().unwrap(), b[0].to_host().unwrap());
+    assert_eq!(
+        a.bytes(),
+        b.bytes(),
+        "dropout masks differ between xla and eager"
+    );
+    let xv = x.to_f64_vec().unwrap();
+    let av = a.to_f64_vec();
+    let zeros = av.iter().filter(|&&v| v == 0.0).count() as f64 / av.len() as f64;
+    assert!((zeros - 0.25).abs() < 0.03, "dropped fraction {zeros}");
+    for (o, i) in av.iter().zip(&xv) {
+        assert!(*o == 0.0 || (o - i / 0.75).abs() < 1e-5, "{o} vs {i}");
     }
 }

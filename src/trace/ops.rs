@@ -634,6 +634,17 @@ impl Tensor {
                 return Ok(Tensor::from_tch_typed(t, out.dtype));
             }
         }
+        if ra == 1 && rb == 1 {
+            // Vector dot product: a scalar.
+            return self.dot_general(
+                other,
+                DotDims {
+                    lhs_contract: vec![0],
+                    rhs_contract: vec![0],
+                    ..Default::default()
+                },
+            );
+        }
         if ra == 1 {
             return self.unsqueeze(0)?.matmul(other)?.squeeze(-2);
         }
