@@ -38,9 +38,11 @@ pub mod error;
 pub mod ir;
 pub mod nn;
 pub mod passes;
+pub mod runtime;
 pub mod trace;
 
-pub use compile::{compile, CompiledFn, Program, Stats, TraceMode};
+pub use compile::{compile, compile_with, CompiledFn, Program, TraceMode};
 pub use error::{Error, Result};
 pub use ir::{DType, Shape, TensorType};
+pub use runtime::{Runtime, Stats};
 pub use trace::{trace, Tensor};
