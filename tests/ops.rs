@@ -1132,7 +1132,7 @@ fn reshape_case(x: &HostTensor, to: &[usize]) {
     check(
         "reshape",
         Op::Reshape(Shape::new(to)),
-        &[x.clone()],
+        std::slice::from_ref(x),
         &want,
         Tol::Exact,
     );
@@ -1177,7 +1177,7 @@ fn reshape_transpose_slice_reverse() {
             check(
                 "transpose",
                 Op::Transpose(perm.to_vec()),
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 &want,
                 Tol::Exact,
             );
@@ -1195,7 +1195,7 @@ fn reshape_transpose_slice_reverse() {
                 limit: limit.to_vec(),
                 stride: stride.to_vec(),
             };
-            check("slice", op, &[x.clone()], &want, Tol::Exact);
+            check("slice", op, std::slice::from_ref(&x), &want, Tol::Exact);
         }
         for dims in [&[][..], &[0], &[2], &[0, 1, 2]] {
             let want = gather_ref(&[&x], None, &[2, 3, 4], |o| {
@@ -1208,7 +1208,7 @@ fn reshape_transpose_slice_reverse() {
             check(
                 "reverse",
                 Op::Reverse(dims.to_vec()),
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 &want,
                 Tol::Exact,
             );
@@ -1257,7 +1257,7 @@ fn concat() {
     check(
         "concat",
         Op::Concat { axis: 0 },
-        &[x.clone()],
+        std::slice::from_ref(&x),
         &x,
         Tol::Exact,
     );
@@ -1618,7 +1618,7 @@ fn reduce_window() {
                 check(
                     &format!("reduce_window {}", kind.name()),
                     op,
-                    &[x.clone()],
+                    std::slice::from_ref(&x),
                     &want,
                     tol,
                 );
@@ -1879,7 +1879,10 @@ fn take_index(
     (xi, ipos)
 }
 
-fn take_cases() -> Vec<(Vec<usize>, usize, Vec<usize>, Vec<i64>)> {
+/// `(operand shape, axis, index shape, index values)`.
+type TakeCase = (Vec<usize>, usize, Vec<usize>, Vec<i64>);
+
+fn take_cases() -> Vec<TakeCase> {
     vec![
         // Out-of-range indices are clamped.
         (vec![5, 3], 0, vec![6], vec![4, -2, 0, 7, 2, 4]),
@@ -2044,8 +2047,8 @@ proptest! {
     fn prop_reshape_transpose_slice((dims, target, perm, slices) in shape_ops(), d in dtype_strategy(), seed in 0u64..1000) {
         let x = any_data(&dims, d, seed);
         let want = HostTensor::from_bytes(TensorType::new(d, target.as_slice()), x.bytes().to_vec()).unwrap();
-        check("reshape", Op::Reshape(Shape::new(&target)), &[x.clone()], &want, Tol::Exact);
-        check("transpose", Op::Transpose(perm.clone()), &[x.clone()], &transpose_ref(&x, &perm), Tol::Exact);
+        check("reshape", Op::Reshape(Shape::new(&target)), std::slice::from_ref(&x), &want, Tol::Exact);
+        check("transpose", Op::Transpose(perm.clone()), std::slice::from_ref(&x), &transpose_ref(&x, &perm), Tol::Exact);
         let (start, limit, stride): (Vec<_>, Vec<_>, Vec<_>) = (
             slices.iter().map(|s| s.0).collect(),
             slices.iter().map(|s| s.1).collect(),
@@ -2207,7 +2210,7 @@ fn reductions_and_normalisations() {
     let tol = Tol::Close(1e-5, 1e-6);
     check_fn_report(
         "softmax / log_softmax",
-        &[x.clone()],
+        std::slice::from_ref(&x),
         |xs: &[kiln::Tensor]| -> Outs {
             let x = &xs[0];
             Ok(vec![
@@ -2227,7 +2230,7 @@ fn reductions_and_normalisations() {
     );
     check_fn_report(
         "mean / var / sum keepdim",
-        &[x.clone()],
+        std::slice::from_ref(&x),
         |xs: &[kiln::Tensor]| -> Outs {
             let x = &xs[0];
             Ok(vec![
@@ -2257,7 +2260,7 @@ fn reductions_and_normalisations() {
     let i = ints(&[3, 4], DType::I64, -100, 100, 3);
     check_fn_report(
         "int sum keepdim",
-        &[i.clone()],
+        std::slice::from_ref(&i),
         |xs: &[kiln::Tensor]| -> Outs { Ok(vec![xs[0].sum(&[0], true)?, xs[0].max(&[1], false)?]) },
         &[
             tt(&i).sum_dim_intlist([0i64].as_slice(), true, None::<Kind>),
@@ -2276,7 +2279,7 @@ fn shape_compositions() {
     let u = tt(&y);
     check_fn_report(
         "reshape -1 / flatten / unsqueeze / squeeze / transpose",
-        &[x.clone()],
+        std::slice::from_ref(&x),
         |xs: &[kiln::Tensor]| -> Outs {
             let x = &xs[0];
             Ok(vec![
