@@ -2040,7 +2040,7 @@ fn dtype_strategy() -> impl Strategy<Value = DType> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
 
     /// Reshape, transpose and slice as one-op graphs on random shapes and dtypes.
     #[test]

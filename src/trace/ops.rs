@@ -626,10 +626,12 @@ impl Tensor {
                 &[&self.ty, &other.ty],
             ));
         }
+        // Checked up front so that a mismatch names `matmul` in both modes (traced, it would
+        // otherwise surface from the `dot_general` the product is built from).
+        let out = matmul_type(&self.ty, &other.ty)?;
         if !is_tracing() {
             if let (Repr::Eager { t: a, .. }, Repr::Eager { t: b, .. }) = (&self.repr, &other.repr)
             {
-                let out = matmul_type(&self.ty, &other.ty)?;
                 let t = a.f_matmul(b)?;
                 return Ok(Tensor::from_tch_typed(t, out.dtype));
             }
