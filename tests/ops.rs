@@ -1572,7 +1572,7 @@ fn reduce_window() {
                 continue;
             }
             let x = if d.is_float() {
-                randn(&shape, d, c as u64)
+                with_specials(&randn(&shape, d, c as u64), c as u64)
             } else {
                 ints(&shape, d, 0, 50, c as u64)
             };
