@@ -32,11 +32,13 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod autograd;
 pub mod backend;
 pub mod compile;
 pub mod error;
 pub mod ir;
 pub mod nn;
+pub mod optim;
 pub mod passes;
 pub mod trace;
 
