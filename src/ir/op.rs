@@ -420,8 +420,12 @@ pub enum Op {
         attrs: WindowAttrs,
     },
     /// Max pooling's gradient: operands `(operand, source)`; each `source` element is added at
-    /// the position of its window's maximum (first maximum on ties) in a zero tensor shaped like
-    /// `operand`.
+    /// the position of its window's maximum in a zero tensor shaped like `operand`.
+    ///
+    /// The selection is deterministic (StableHLO leaves it to the implementation): padding is
+    /// never selected (a window of pure padding drops its source element); among the real
+    /// elements a NaN beats any number, then the larger value wins, and ties go to the element
+    /// first in row-major order. Without NaNs this is "first maximum", as in PyTorch.
     SelectAndScatter(WindowAttrs),
     /// N-d convolution (cross-correlation, as PyTorch and StableHLO define it).
     Conv(ConvAttrs),
