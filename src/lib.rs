@@ -41,6 +41,7 @@ pub mod nn;
 pub mod optim;
 pub mod passes;
 pub mod trace;
+pub mod train;
 
 pub use compile::{compile, CompiledFn, Program, Stats, TraceMode};
 pub use error::{Error, Result};
