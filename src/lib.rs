@@ -40,10 +40,12 @@ pub mod ir;
 pub mod nn;
 pub mod optim;
 pub mod passes;
+pub mod runtime;
 pub mod trace;
 pub mod train;
 
-pub use compile::{compile, CompiledFn, Program, Stats, TraceMode};
+pub use compile::{compile, compile_with, CompiledFn, Program, TraceMode};
 pub use error::{Error, Result};
 pub use ir::{DType, Shape, TensorType};
+pub use runtime::{Runtime, Stats};
 pub use trace::{trace, Tensor};

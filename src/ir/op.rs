@@ -686,7 +686,7 @@ impl Op {
             }
             Op::DotGeneral(d) => {
                 arity(2)?;
-                infer_dot(d, operands[0], operands[1]).or_else(|m| err(m))
+                infer_dot(d, operands[0], operands[1]).or_else(&err)
             }
             Op::Reduce { axes, .. } => {
                 arity(1)?;
@@ -711,12 +711,12 @@ impl Op {
             Op::ReduceWindow { attrs, .. } => {
                 arity(1)?;
                 let a = operands[0];
-                infer_window(attrs, a).or_else(|m| err(m))
+                infer_window(attrs, a).or_else(&err)
             }
             Op::SelectAndScatter(attrs) => {
                 arity(2)?;
                 let (a, s) = (operands[0], operands[1]);
-                let out = infer_window(attrs, a).or_else(|m| err(m))?;
+                let out = infer_window(attrs, a).or_else(&err)?;
                 if *s != out {
                     return err(format!("source must be {out} (the pooled shape)"));
                 }
@@ -724,7 +724,7 @@ impl Op {
             }
             Op::Conv(c) => {
                 arity(2)?;
-                infer_conv(c, operands[0], operands[1]).or_else(|m| err(m))
+                infer_conv(c, operands[0], operands[1]).or_else(&err)
             }
             Op::Take { axis } => {
                 arity(2)?;

@@ -263,6 +263,18 @@ impl Backend for XlaBackend {
         b.buffer.ready()
     }
 
+    fn is_donated(&self, b: &XlaBuffer) -> Result<bool> {
+        b.buffer.is_deleted()
+    }
+
+    fn serialize_executable(&self, exe: &XlaExecutable) -> Result<Option<Vec<u8>>> {
+        Ok(Some(self.serialize(exe)?))
+    }
+
+    fn deserialize_executable(&self, graph: &Graph, bytes: &[u8]) -> Result<Option<XlaExecutable>> {
+        Ok(Some(self.deserialize(graph, bytes)?))
+    }
+
     fn cache_key(&self) -> String {
         format!(
             "xla/{}/{}/pjrt{}.{}/opts{:02x?}",
