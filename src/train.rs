@@ -14,7 +14,9 @@ use crate::autograd::{joint, partition, BackwardInput, SavePolicy};
 use crate::backend::{Backend, HostTensor};
 use crate::compile::TraceMode;
 use crate::error::{Error, Result};
-use crate::ir::{BinaryOp, DType, Fingerprint, Graph, InputKind, Literal, NodeId, Op, Shape, TensorType};
+use crate::ir::{
+    BinaryOp, DType, Fingerprint, Graph, InputKind, Literal, NodeId, Op, Shape, TensorType,
+};
 use crate::nn::{Init, ParamStore};
 use crate::optim::Optimizer;
 use crate::passes::{dedup_outputs, simplify, OutputSource};
@@ -62,6 +64,7 @@ struct TrainProgram<B: Backend> {
 }
 
 type LossFn = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
+type Temps<B> = Vec<Option<Rc<<B as Backend>::Buffer>>>;
 
 /// A compiled training step; see the module docs.
 ///
@@ -106,7 +109,8 @@ pub struct TrainStep<B: Backend> {
     lr_uploaded: Option<f64>,
     by_signature: HashMap<Vec<TensorType>, Rc<TrainProgram<B>>>,
     by_fingerprint: HashMap<Fingerprint, Rc<TrainProgram<B>>>,
-    last: Option<(Rc<TrainProgram<B>>, Vec<Option<Rc<B::Buffer>>>)>,
+    /// The last step's program and its per-step device values (the loss among them).
+    last: Option<(Rc<TrainProgram<B>>, Temps<B>)>,
     steps: u64,
 }
 
@@ -176,7 +180,7 @@ impl<B: Backend> TrainStep<B> {
     }
 
     /// Seeds the random-number key (dropout masks).
-    pub fn with_seed(mut self, seed: u32) -> Result<Self> {
+    pub fn with_seed(self, seed: u32) -> Result<Self> {
         let key = HostTensor::from_slice(&[2], &[seed, 0u32])?;
         self.key_var.assign(&Tensor::from_host(&key)?)?;
         Ok(self)
@@ -222,7 +226,10 @@ impl<B: Backend> TrainStep<B> {
             self.rt.set_var(&self.lr_var, &lr)?;
             self.lr_uploaded = Some(self.lr);
         }
-        let data: Vec<B::Buffer> = inputs.iter().map(|t| self.rt.upload_tensor(t)).collect::<Result<_>>()?;
+        let data: Vec<B::Buffer> = inputs
+            .iter()
+            .map(|t| self.rt.upload_tensor(t))
+            .collect::<Result<_>>()?;
         let mut temps: Vec<Option<Rc<B::Buffer>>> = vec![None; program.num_temps];
         for stage in &program.stages {
             self.run_stage(stage, &data, &mut temps)?;
@@ -296,10 +303,17 @@ impl<B: Backend> TrainStep<B> {
                         Some(b) => b,
                         None => {
                             // The same value also fills another slot: give this one a copy.
-                            let b = shared[j].as_deref().map(|b| self.rt.download(b)).transpose()?;
+                            let b = shared[j]
+                                .as_deref()
+                                .map(|b| self.rt.download(b))
+                                .transpose()?;
                             match b {
                                 Some(h) => self.rt.upload(&h)?,
-                                None => return Err(Error::Invalid("internal: output taken twice".into())),
+                                None => {
+                                    return Err(Error::Invalid(
+                                        "internal: output taken twice".into(),
+                                    ))
+                                }
                             }
                         }
                     };
@@ -320,7 +334,9 @@ impl<B: Backend> TrainStep<B> {
                 }
                 // A variable "updated" to its own value: nothing to do.
                 (OutputSource::Input(_), Slot::Var(_)) => {}
-                (_, Slot::Data(_)) => return Err(Error::Invalid("internal: output to a data slot".into())),
+                (_, Slot::Data(_)) => {
+                    return Err(Error::Invalid("internal: output to a data slot".into()))
+                }
             }
         }
         Ok(())
@@ -361,7 +377,8 @@ impl<B: Backend> TrainStep<B> {
         }
         let program = Rc::new(self.build(traced)?);
         self.by_fingerprint.insert(fp, program.clone());
-        self.by_signature.insert(signature.to_vec(), program.clone());
+        self.by_signature
+            .insert(signature.to_vec(), program.clone());
         Ok(program)
     }
 
@@ -377,7 +394,12 @@ impl<B: Backend> TrainStep<B> {
         let root = self.state.root().sub("opt");
         let mut v = Vec::new();
         for (name, ty) in self.opt.state_shapes(param.ty()) {
-            v.push(root.sub(&info.name).buffer(name, ty.shape.dims(), Init::Const(0.0), ty.dtype)?);
+            v.push(root.sub(&info.name).buffer(
+                name,
+                ty.shape.dims(),
+                Init::Const(0.0),
+                ty.dtype,
+            )?);
         }
         self.opt_state.insert(info.id, v.clone());
         Ok(v)
@@ -387,7 +409,10 @@ impl<B: Backend> TrainStep<B> {
         if let Some(o) = &self.one_var {
             return Ok(o.clone());
         }
-        let o = self.state.root().buffer("loss_seed", &[], Init::Const(1.0), DType::F32)?;
+        let o = self
+            .state
+            .root()
+            .buffer("loss_seed", &[], Init::Const(1.0), DType::F32)?;
         self.one_var = Some(o.clone());
         Ok(o)
     }
@@ -416,12 +441,16 @@ impl<B: Backend> TrainStep<B> {
             .iter()
             .enumerate()
             .filter_map(|(i, b)| match b {
-                Binding::Var(t) if t.variable().map(|v| v.kind) == Some(VarKind::Parameter) => Some((i, t.clone())),
+                Binding::Var(t) if t.variable().map(|v| v.kind) == Some(VarKind::Parameter) => {
+                    Some((i, t.clone()))
+                }
                 _ => None,
             })
             .collect();
         if params.is_empty() {
-            return Err(Error::Invalid("the loss does not depend on any trainable parameter".into()));
+            return Err(Error::Invalid(
+                "the loss does not depend on any trainable parameter".into(),
+            ));
         }
         let wrt: Vec<usize> = params.iter().map(|p| p.0).collect();
         let joint_graph = joint(&graph, 0, &wrt)?;
@@ -457,9 +486,24 @@ impl<B: Backend> TrainStep<B> {
                         aliases.push((i, 1 + k));
                     }
                 }
-                self.add_updates(&mut g, &params, &grads, &mut inputs, &mut outputs, &mut slots, &mut aliases)?;
+                self.add_updates(
+                    &mut g,
+                    &params,
+                    &grads,
+                    &mut inputs,
+                    &mut outputs,
+                    &mut slots,
+                    &mut aliases,
+                )?;
                 if let Some(ri) = rng_input {
-                    advance_key(&mut g, ri, &mut outputs, &mut slots, &mut aliases, &self.key_var)?;
+                    advance_key(
+                        &mut g,
+                        ri,
+                        &mut outputs,
+                        &mut slots,
+                        &mut aliases,
+                        &self.key_var,
+                    )?;
                 }
                 stages.push(self.stage("fused", g, inputs, outputs, slots, aliases)?);
             }
@@ -491,19 +535,42 @@ impl<B: Backend> TrainStep<B> {
                     }
                 }
                 if let Some(ri) = rng_input.filter(|i| !kept_alive.contains(i)) {
-                    advance_key(&mut fwd, ri, &mut f_outputs, &mut f_slots, &mut f_aliases, &self.key_var)?;
+                    advance_key(
+                        &mut fwd,
+                        ri,
+                        &mut f_outputs,
+                        &mut f_slots,
+                        &mut f_aliases,
+                        &self.key_var,
+                    )?;
                 } else if let Some(ri) = rng_input {
                     let mut no_alias = Vec::new();
-                    advance_key(&mut fwd, ri, &mut f_outputs, &mut f_slots, &mut no_alias, &self.key_var)?;
+                    advance_key(
+                        &mut fwd,
+                        ri,
+                        &mut f_outputs,
+                        &mut f_slots,
+                        &mut no_alias,
+                        &self.key_var,
+                    )?;
                 }
-                stages.push(self.stage("forward", fwd, in_slots.clone(), f_outputs, f_slots, f_aliases)?);
+                let forward_slots = f_slots.clone();
+                stages.push(self.stage(
+                    "forward",
+                    fwd,
+                    in_slots.clone(),
+                    f_outputs,
+                    f_slots,
+                    f_aliases,
+                )?);
                 // Backward: saved values, forward inputs, the cotangent -> gradients.
                 let one = self.one()?;
                 let b_inputs: Vec<Slot> = split
                     .backward_inputs
                     .iter()
                     .map(|bi| match bi {
-                        BackwardInput::Saved(k) => Slot::Temp(saved_base + k),
+                        // An index into all forward outputs (user outputs, then saved values).
+                        BackwardInput::Saved(k) => forward_slots[*k].clone(),
                         BackwardInput::ForwardInput(i) => in_slots[*i].clone(),
                         BackwardInput::Cotangent(_) => Slot::Var(one.clone()),
                     })
@@ -511,8 +578,17 @@ impl<B: Backend> TrainStep<B> {
                 let grad_base = temps;
                 temps += params.len();
                 let b_outputs = split.backward.outputs().to_vec();
-                let b_slots: Vec<Slot> = (0..params.len()).map(|p| Slot::Temp(grad_base + p)).collect();
-                stages.push(self.stage("backward", split.backward, b_inputs, b_outputs, b_slots, vec![])?);
+                let b_slots: Vec<Slot> = (0..params.len())
+                    .map(|p| Slot::Temp(grad_base + p))
+                    .collect();
+                stages.push(self.stage(
+                    "backward",
+                    split.backward,
+                    b_inputs,
+                    b_outputs,
+                    b_slots,
+                    vec![],
+                )?);
                 // Optimizer: params, grads, states, lr, step -> new params, states, step.
                 let mut g = Graph::new();
                 let mut inputs = Vec::new();
@@ -522,14 +598,26 @@ impl<B: Backend> TrainStep<B> {
                     let n = g.add_input(InputKind::Parameter, name_of(t), t.ty().clone());
                     inputs.push(Slot::Var(t.clone()));
                     opt_params.push((n, t.clone()));
-                    let gn = g.add_input(InputKind::Saved, format!("grad.{}", name_of(t)), t.ty().clone());
+                    let gn = g.add_input(
+                        InputKind::Saved,
+                        format!("grad.{}", name_of(t)),
+                        t.ty().clone(),
+                    );
                     inputs.push(Slot::Temp(grad_base + p));
                     grads.push(gn);
                 }
                 let mut outputs = Vec::new();
                 let mut slots = Vec::new();
                 let mut aliases = Vec::new();
-                self.add_updates_on(&mut g, &opt_params, &grads, &mut inputs, &mut outputs, &mut slots, &mut aliases)?;
+                self.add_updates_on(
+                    &mut g,
+                    &opt_params,
+                    &grads,
+                    &mut inputs,
+                    &mut outputs,
+                    &mut slots,
+                    &mut aliases,
+                )?;
                 stages.push(self.stage("optimizer", g, inputs, outputs, slots, aliases)?);
             }
         }
@@ -588,7 +676,11 @@ impl<B: Backend> TrainStep<B> {
             let mut state_idx = Vec::new();
             for s in &state {
                 state_idx.push(inputs.len());
-                state_nodes.push(g.add_input(InputKind::OptimizerState, name_of(s), s.ty().clone()));
+                state_nodes.push(g.add_input(
+                    InputKind::OptimizerState,
+                    name_of(s),
+                    s.ty().clone(),
+                ));
                 inputs.push(Slot::Var(s.clone()));
             }
             let (new_p, new_s) = self.opt.update(g, *pn, gn, &state_nodes, lr, step)?;
@@ -627,7 +719,9 @@ impl<B: Backend> TrainStep<B> {
         let fp = g.fingerprint();
         let exe = self.rt.executable(&g, fp)?;
         if inputs.len() != g.inputs().len() || map.len() != slots.len() {
-            return Err(Error::Invalid(format!("internal: {name} stage slots do not match its graph")));
+            return Err(Error::Invalid(format!(
+                "internal: {name} stage slots do not match its graph"
+            )));
         }
         Ok(Stage {
             name,
@@ -661,7 +755,10 @@ fn advance_key(
     let key = g.inputs()[key_input].node;
     let inc = Literal::from_bytes(
         TensorType::new(DType::U32, [2]),
-        [0u32, 1u32].iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>(),
+        [0u32, 1u32]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>(),
     )?;
     let inc = g.add(Op::Constant(inc), &[])?;
     let next = g.add(Op::Binary(BinaryOp::Add), &[key, inc])?;
@@ -695,7 +792,10 @@ impl EagerTrainStep {
             let mut s = Vec::new();
             for (_, ty) in opt.state_shapes(p.ty()) {
                 let dims = ty.shape.to_i64();
-                s.push(tch::Tensor::f_zeros(&dims, (crate::backend::eager::kind_of(ty.dtype), tch::Device::Cpu))?);
+                s.push(tch::Tensor::f_zeros(
+                    &dims,
+                    (crate::backend::eager::kind_of(ty.dtype), tch::Device::Cpu),
+                )?);
             }
             state.push(s);
         }
@@ -725,7 +825,7 @@ impl EagerTrainStep {
         let loss = (self.loss_fn)(inputs)?;
         let l = loss.as_tch()?;
         for p in &self.params {
-            let g = p.as_tch()?.grad();
+            let mut g = p.as_tch()?.f_grad()?;
             if g.defined() {
                 let _ = g.f_zero_()?;
             }
@@ -734,7 +834,7 @@ impl EagerTrainStep {
         self.steps += 1;
         for (p, s) in self.params.iter().zip(self.state.iter_mut()) {
             let pt = p.as_tch()?;
-            let g = pt.grad();
+            let g = pt.f_grad()?;
             let g = if g.defined() { g } else { pt.f_zeros_like()? };
             self.opt.update_eager(pt, &g, s, self.lr, self.steps)?;
         }
