@@ -32,14 +32,17 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod autograd;
 pub mod backend;
 pub mod compile;
 pub mod error;
 pub mod ir;
 pub mod nn;
+pub mod optim;
 pub mod passes;
 pub mod runtime;
 pub mod trace;
+pub mod train;
 
 pub use compile::{compile, compile_with, CompiledFn, Program, TraceMode};
 pub use error::{Error, Result};
