@@ -37,6 +37,9 @@ pub fn tensor_type(t: &TensorType) -> String {
 
 fn i64_array(v: impl IntoIterator<Item = i64>) -> String {
     let items: Vec<String> = v.into_iter().map(|x| x.to_string()).collect();
+    if items.is_empty() {
+        return "array<i64>".to_string();
+    }
     format!("array<i64: {}>", items.join(", "))
 }
 
@@ -232,9 +235,9 @@ impl<'g> Emitter<'g> {
     fn constant(&mut self, res: &str, lit: &Literal) {
         let _ = writeln!(
             self.out,
-            "    {res} = \"stablehlo.constant\"() {{value = {}}} : () -> {}",
+            "    {res} = \"stablehlo.constant\"() {{value = {} : {ty}}} : () -> {ty}",
             dense(lit),
-            tensor_type(lit.ty())
+            ty = tensor_type(lit.ty())
         );
     }
 
