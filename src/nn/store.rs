@@ -1,5 +1,6 @@
 //! `ParamStore`: named parameters and buffers, tch `VarStore`-style.
 
+use crate::backend::HostTensor;
 use crate::error::{Error, Result};
 use crate::ir::DType;
 use crate::trace::{is_tracing, SplitMix, Tensor, VarInfo, VarKind};
@@ -218,7 +219,7 @@ impl ParamStore {
     }
 
     /// Overwrites the value of variable `name` (outside autograd). Shapes and dtypes must match.
-    pub fn set(&self, name: &str, value: &crate::backend::HostTensor) -> Result<()> {
+    pub fn set(&self, name: &str, value: &HostTensor) -> Result<()> {
         let t = self
             .get(name)
             .ok_or_else(|| Error::Invalid(format!("no variable named {name}")))?;
@@ -239,6 +240,134 @@ impl ParamStore {
         }
         Ok(())
     }
+
+    /// Every variable's value as a host tensor, in creation order (a PyTorch `state_dict`).
+    pub fn state_dict(&self) -> Result<Vec<(String, HostTensor)>> {
+        self.vars()
+            .into_iter()
+            .map(|(n, t)| Ok((n, t.to_host()?)))
+            .collect()
+    }
+
+    /// Saves every variable (parameters and buffers) to a safetensors file, keyed by its
+    /// hierarchical name (for the zoo's CNNs: torchvision's `state_dict` keys).
+    pub fn save_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let path = path.as_ref();
+        let fmt = |message: String| Error::Format {
+            path: path.to_path_buf(),
+            message,
+        };
+        let tensors = self.state_dict()?;
+        let views = tensors
+            .iter()
+            .map(|(name, h)| {
+                let v = safetensors::tensor::TensorView::new(
+                    st_dtype(h.ty().dtype),
+                    h.ty().shape.dims().to_vec(),
+                    h.bytes(),
+                )
+                .map_err(|e| fmt(format!("{name}: {e}")))?;
+                Ok((name.as_str(), v))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let bytes = safetensors::serialize(views, None).map_err(|e| fmt(e.to_string()))?;
+        std::fs::write(path, bytes).map_err(|e| Error::io(path, e))
+    }
+
+    /// Loads every variable from a safetensors file (e.g. a PyTorch `state_dict` saved with
+    /// `safetensors.torch.save_file`).
+    ///
+    /// Strict: every variable must be present with the same shape and dtype, and the file must
+    /// hold no other tensors; otherwise an [`Error::Format`] names the file and the offending
+    /// keys or shapes, and no variable is changed. Compiled functions that already hold device
+    /// copies of the variables must be told with `CompiledFn::refresh_from_store`.
+    pub fn load_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let path = path.as_ref();
+        let fmt = |message: String| Error::Format {
+            path: path.to_path_buf(),
+            message,
+        };
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let file = safetensors::SafeTensors::deserialize(&bytes)
+            .map_err(|e| fmt(format!("not a valid safetensors file: {e}")))?;
+        let vars = self.vars();
+        let mut missing = Vec::new();
+        let mut values = Vec::with_capacity(vars.len());
+        for (name, t) in &vars {
+            let view = match file.tensor(name) {
+                Ok(v) => v,
+                Err(_) => {
+                    missing.push(name.clone());
+                    continue;
+                }
+            };
+            let want = st_dtype(t.dtype());
+            if view.dtype() != want || view.shape() != t.dims() {
+                return Err(fmt(format!(
+                    "tensor {name}: expected {:?}{:?}, the file has {:?}{:?}",
+                    want,
+                    t.dims(),
+                    view.dtype(),
+                    view.shape()
+                )));
+            }
+            let h = HostTensor::from_bytes(t.ty().clone(), view.data().to_vec())
+                .map_err(|e| fmt(format!("tensor {name}: {e}")))?;
+            values.push((name.clone(), h));
+        }
+        if !missing.is_empty() {
+            return Err(fmt(format!(
+                "{} variable(s) missing from the file: {}",
+                missing.len(),
+                summarize(&missing)
+            )));
+        }
+        let known: std::collections::HashSet<&str> = vars.iter().map(|(n, _)| n.as_str()).collect();
+        let mut unexpected: Vec<String> = file
+            .names()
+            .into_iter()
+            .filter(|n| !known.contains(n))
+            .map(|n| n.to_string())
+            .collect();
+        if !unexpected.is_empty() {
+            unexpected.sort();
+            return Err(fmt(format!(
+                "{} unexpected tensor(s) in the file: {}",
+                unexpected.len(),
+                summarize(&unexpected)
+            )));
+        }
+        for (name, h) in values {
+            self.set(&name, &h)?;
+        }
+        Ok(())
+    }
+}
+
+fn st_dtype(d: DType) -> safetensors::Dtype {
+    match d {
+        DType::Bool => safetensors::Dtype::BOOL,
+        DType::U32 => safetensors::Dtype::U32,
+        DType::I32 => safetensors::Dtype::I32,
+        DType::I64 => safetensors::Dtype::I64,
+        DType::F32 => safetensors::Dtype::F32,
+        DType::F64 => safetensors::Dtype::F64,
+    }
+}
+
+/// The first few names of a list, for error messages.
+fn summarize(names: &[String]) -> String {
+    const SHOWN: usize = 8;
+    let mut s = names
+        .iter()
+        .take(SHOWN)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > SHOWN {
+        s.push_str(&format!(", ... ({} more)", names.len() - SHOWN));
+    }
+    s
 }
 
 /// A position in a [`ParamStore`]'s name hierarchy.
