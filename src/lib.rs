@@ -39,6 +39,7 @@ pub mod ir;
 pub mod nn;
 pub mod passes;
 pub mod trace;
+pub mod zoo;
 
 pub use compile::{compile, CompiledFn, Program, Stats, TraceMode};
 pub use error::{Error, Result};
