@@ -69,34 +69,21 @@ fn randn(shape: &[usize], seed: u64) -> Tensor {
 #[test]
 fn conv2d_variants() {
     let x = randn(&[2, 4, 9, 11], 1);
-    let cases: [(
-        &str,
+    // (name, weight shape, stride, padding, dilation, groups, bias)
+    type Case = (
+        &'static str,
         [usize; 4],
         [usize; 2],
         [usize; 2],
         [usize; 2],
         usize,
         bool,
-    ); 6] = [
+    );
+    #[rustfmt::skip]
+    let cases: [Case; 6] = [
         ("plain", [6, 4, 3, 3], [1, 1], [0, 0], [1, 1], 1, true),
-        (
-            "stride2 pad1",
-            [6, 4, 3, 3],
-            [2, 2],
-            [1, 1],
-            [1, 1],
-            1,
-            true,
-        ),
-        (
-            "asymmetric stride",
-            [5, 4, 3, 1],
-            [2, 1],
-            [1, 0],
-            [1, 1],
-            1,
-            false,
-        ),
+        ("stride2 pad1", [6, 4, 3, 3], [2, 2], [1, 1], [1, 1], 1, true),
+        ("asymmetric stride", [5, 4, 3, 1], [2, 1], [1, 0], [1, 1], 1, false),
         ("dilation2", [6, 4, 3, 3], [1, 1], [2, 2], [2, 2], 1, true),
         ("groups2", [6, 2, 3, 3], [1, 2], [1, 1], [1, 1], 2, true),
         ("depthwise", [4, 1, 5, 5], [2, 2], [2, 2], [1, 1], 4, false),

@@ -70,6 +70,9 @@ pub fn pool_output_size(
     Ok(out as usize)
 }
 
+/// Output size and `(low, high)` window padding per spatial dim.
+type PoolGeometry = ([usize; 2], [(usize, usize); 2]);
+
 /// Checks a `[N, C, H, W]` operand and pooling geometry; returns the output `[OH, OW]` and the
 /// `(low, high)` padding per spatial dim that makes a `reduce_window` produce exactly that size.
 fn pool_geometry(
@@ -79,7 +82,7 @@ fn pool_geometry(
     stride: [usize; 2],
     padding: [usize; 2],
     ceil_mode: bool,
-) -> Result<([usize; 2], [(usize, usize); 2])> {
+) -> Result<PoolGeometry> {
     if x.rank() != 4 {
         return Err(Error::type_error(
             op,

@@ -496,3 +496,53 @@ where
         (self.0)(x, train)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::ParamStore;
+
+    #[test]
+    fn batch_norm_has_pytorch_state_dict_entries() {
+        let s = ParamStore::new();
+        BatchNorm2d::new(&s.root().sub("bn"), 5).unwrap();
+        let vars: Vec<(String, Vec<usize>, DType)> = s
+            .vars()
+            .into_iter()
+            .map(|(n, t)| (n, t.dims().to_vec(), t.dtype()))
+            .collect();
+        assert_eq!(
+            vars,
+            [
+                ("bn.weight".to_string(), vec![5], DType::F32),
+                ("bn.bias".to_string(), vec![5], DType::F32),
+                ("bn.running_mean".to_string(), vec![5], DType::F32),
+                ("bn.running_var".to_string(), vec![5], DType::F32),
+                ("bn.num_batches_tracked".to_string(), vec![], DType::I64),
+            ]
+        );
+        // Buffers are not parameters.
+        assert_eq!(s.num_parameters(), 10);
+    }
+
+    #[test]
+    fn conv_rejects_bad_groups_and_pools_check_padding() {
+        let s = ParamStore::new();
+        let cfg = Conv2dConfig::default().groups(3);
+        assert!(Conv2d::new(&s.root().sub("c"), 4, 6, 3, cfg).is_err());
+        let x = Tensor::randn(&[1, 1, 8, 8], 0).unwrap();
+        // PyTorch: padding must be at most half the kernel.
+        assert!(x.max_pool2d([2, 2], [2, 2], [2, 2], false).is_err());
+        assert!(MaxPool2d::new(3, 2, 1).forward(&x).is_ok());
+        let y = AvgPool2d::new(2, 2, 0).forward(&x).unwrap();
+        assert_eq!(y.dims(), &[1, 1, 4, 4]);
+    }
+
+    #[test]
+    fn dropout_is_identity_in_eval_and_flatten_keeps_batch() {
+        let x = Tensor::randn(&[2, 3, 4], 1).unwrap();
+        let y = Dropout::new(0.5).forward(&x).unwrap();
+        assert_eq!(y.to_f64_vec().unwrap(), x.to_f64_vec().unwrap());
+        assert_eq!(Flatten::default().forward(&x).unwrap().dims(), &[2, 12]);
+    }
+}

@@ -474,3 +474,64 @@ impl<T: std::fmt::Display> std::ops::Div<T> for &Path {
         self.sub(rhs)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn moments(t: &Tensor) -> (f64, f64) {
+        let v = t.to_f64_vec().unwrap();
+        let n = v.len() as f64;
+        let mean = v.iter().sum::<f64>() / n;
+        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+        (mean, var.sqrt())
+    }
+
+    #[test]
+    fn initialisers_have_the_right_moments_and_are_seeded() {
+        let s = ParamStore::with_seed(5);
+        let r = s.root();
+        let n = r
+            .param(
+                "n",
+                &[200, 500],
+                Init::Normal {
+                    mean: 1.0,
+                    std: 2.0,
+                },
+            )
+            .unwrap();
+        let (m, sd) = moments(&n);
+        assert!(
+            (m - 1.0).abs() < 0.02 && (sd - 2.0).abs() < 0.02,
+            "{m} {sd}"
+        );
+        // fan_out = 64 * 3 * 3 -> std sqrt(2 / 576).
+        let k = r
+            .param("k", &[64, 32, 3, 3], Init::KaimingNormalFanOut)
+            .unwrap();
+        let (m, sd) = moments(&k);
+        let want = (2.0f64 / 576.0).sqrt();
+        assert!(m.abs() < 0.01 && (sd / want - 1.0).abs() < 0.03, "{m} {sd}");
+        let u = r.param("u", &[100, 300], Init::KaimingUniform).unwrap();
+        let b = 1.0 / 300f64.sqrt();
+        let v = u.to_f64_vec().unwrap();
+        assert!(v.iter().all(|x| x.abs() <= b));
+        let (_, sd) = moments(&u);
+        assert!((sd / (b / 3f64.sqrt()) - 1.0).abs() < 0.03, "{sd}");
+        // Same seed, same values.
+        let s2 = ParamStore::with_seed(5);
+        let n2 = s2
+            .root()
+            .param(
+                "n",
+                &[200, 500],
+                Init::Normal {
+                    mean: 1.0,
+                    std: 2.0,
+                },
+            )
+            .unwrap();
+        assert_eq!(n.to_f64_vec().unwrap(), n2.to_f64_vec().unwrap());
+    }
+}

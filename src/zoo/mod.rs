@@ -10,7 +10,7 @@
 //! use kiln::{compile, zoo, Tensor};
 //! use std::sync::Arc;
 //!
-//! let model: Arc<dyn zoo::Model + Sync> = Arc::from(zoo::build("resnet18", 0)?);
+//! let model: Arc<dyn zoo::Model> = Arc::from(zoo::build("resnet18", 0)?);
 //! let inputs = model.example_inputs(4, 0)?;
 //! let eager = tch::no_grad(|| model.forward(&inputs, false))?;
 //! let m = model.clone();

@@ -30,6 +30,7 @@ struct Block {
 }
 
 impl Block {
+    #[allow(clippy::too_many_arguments)]
     fn unit(
         path: &Path,
         i: usize,
