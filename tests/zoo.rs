@@ -339,3 +339,30 @@ fn randomize_batch_norm_stats(model: &dyn Model) {
         model.store().set(&name, &v.to_host().unwrap()).unwrap();
     }
 }
+
+/// Models with dropout trace in training mode (threefry masks from the graph's rng key) and
+/// give a finite scalar loss; eagerly too.
+#[test]
+fn training_mode_forward_and_loss_trace_and_run() {
+    for name in ["linear", "squeezenet1_1", "bert"] {
+        let model: Arc<dyn Model> = Arc::from(zoo::build(name, 0).unwrap());
+        let inputs = model.example_inputs(2, 3).unwrap();
+        let out = model.forward(&inputs, true).unwrap();
+        let eager = model.loss(&out, &inputs).unwrap();
+        assert!(eager.to_scalar().unwrap().is_finite(), "{name}");
+        let m = model.clone();
+        let mut f = compile(xla(), move |xs: &[Tensor]| {
+            let y = m.forward(xs, true)?;
+            Ok(vec![m.loss(&y, xs)?])
+        });
+        let a = f.run(&inputs).unwrap().remove(0);
+        let b = f.run(&inputs).unwrap().remove(0);
+        assert_eq!(a.dims(), &[] as &[usize], "{name}");
+        assert!(a.to_scalar().unwrap().is_finite(), "{name}");
+        if name != "linear" {
+            // A new rng key per call: new dropout masks.
+            assert_ne!(a.to_scalar().unwrap(), b.to_scalar().unwrap(), "{name}");
+        }
+        assert_eq!(f.stats().compiles, 1, "{name}");
+    }
+}

@@ -633,6 +633,15 @@ impl Tensor {
                 &[q.ty(), k.ty(), v.ty()],
             ));
         }
+        if let Some(m) = mask {
+            if m.dtype() != q.dtype() {
+                return Err(Error::type_error(
+                    "scaled_dot_product_attention",
+                    "the mask is additive: it must have the queries' float dtype",
+                    &[q.ty(), m.ty()],
+                ));
+            }
+        }
         let d = q.dims()[r - 1];
         let scale = 1.0 / (d as f64).sqrt();
         if let Some(ts) = eager(&[q, k, v]) {
@@ -655,6 +664,9 @@ impl Tensor {
 
     /// Embedding lookup, PyTorch's `F.embedding(ids, weight)`: rows of `weight` (`[num, dim]`)
     /// at the integer `ids` (any shape); the result is `ids.shape ++ [dim]`.
+    ///
+    /// Out-of-range ids are an error eagerly (libtorch checks them); a compiled graph cannot
+    /// report errors, so there they are clamped into range (the `Take` primitive's rule).
     pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
         if weight.rank() != 2 || !matches!(ids.dtype(), DType::I32 | DType::I64) {
             return Err(Error::type_error(
