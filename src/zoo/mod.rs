@@ -3,7 +3,7 @@
 //! transformer (torchvision's `VisionTransformer` structure) and the seeds' `LinearModel`.
 //!
 //! Every model runs eagerly and traced from the same code, so it can be compiled with
-//! [`crate::compile`]:
+//! [`crate::compile()`]:
 //!
 //! ```no_run
 //! use kiln::backend::xla::XlaBackend;
