@@ -5,6 +5,7 @@
 //! cargo run --release --example infer -- resnet18          # one model (default resnet18)
 //! cargo run --release --example infer -- --all             # every zoo model
 //! cargo run --release --example infer -- vgg16 --batch 2 --seconds 2
+//! cargo run --release --example infer -- --all --threads 1  # libtorch intra-op threads
 //! ```
 //!
 //! Timings: a warm-up call, then repeated calls for about `--seconds` (at least 3) on each
@@ -21,12 +22,14 @@ struct Args {
     models: Vec<String>,
     batch: Option<usize>,
     seconds: f64,
+    threads: Option<i32>,
 }
 
 fn parse() -> kiln::Result<Args> {
     let mut models = Vec::new();
     let mut batch = None;
     let mut seconds = 1.0;
+    let mut threads = None;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let mut value = |flag: &str| {
@@ -47,9 +50,16 @@ fn parse() -> kiln::Result<Args> {
                     .parse()
                     .map_err(|e| kiln::Error::Invalid(format!("--seconds: {e}")))?
             }
+            "--threads" => {
+                threads = Some(
+                    value("--threads")?
+                        .parse()
+                        .map_err(|e| kiln::Error::Invalid(format!("--threads: {e}")))?,
+                )
+            }
             "-h" | "--help" => {
                 println!(
-                    "usage: infer [NAME ...|--all] [--batch N] [--seconds S]\nmodels: {}",
+                    "usage: infer [NAME ...|--all] [--batch N] [--seconds S] [--threads N]\nmodels: {}",
                     zoo::NAMES.join(", ")
                 );
                 std::process::exit(0);
@@ -64,6 +74,7 @@ fn parse() -> kiln::Result<Args> {
         models,
         batch,
         seconds,
+        threads,
     })
 }
 
@@ -142,6 +153,13 @@ fn run(backend: &XlaBackend, name: &str, batch: Option<usize>, seconds: f64) -> 
 
 fn main() -> kiln::Result<()> {
     let args = parse()?;
+    if let Some(t) = args.threads {
+        tch::set_num_threads(t);
+    }
+    println!(
+        "libtorch intra-op threads: {} (eager); XLA uses its own thread pool",
+        tch::get_num_threads()
+    );
     let backend = XlaBackend::new()?;
     println!(
         "{:<16} {:>5} {:>12} {:>9} {:>10} {:>10} {:>10} {:>8} {:>10} {:>10} {:>12}",
@@ -161,7 +179,7 @@ fn main() -> kiln::Result<()> {
     for name in &args.models {
         match run(&backend, name, args.batch, args.seconds) {
             Ok(r) => println!(
-                "{:<16} {:>5} {:>12} {:>9.1} {:>10.2} {:>10.2} {:>10.2} {:>7.2}x {:>10.2e} {:>10.2e} {:>12.2e}",
+                "{:<16} {:>5} {:>12} {:>9.1} {:>10.2} {:>10.3} {:>10.3} {:>7.2}x {:>10.2e} {:>10.2e} {:>12.2e}",
                 r.name,
                 r.batch,
                 r.params,
