@@ -10,7 +10,9 @@
 //! - [`passes`]: graph rewrites (CSE, DCE, output dedup).
 //! - [`backend`]: the [`backend::Backend`] trait; `eager` (tch interpreter) and `xla` (PJRT).
 //! - [`compile()`]: the entry point: trace once per input signature, compile, replay.
-//! - [`nn`]: modules and the [`nn::ParamStore`].
+//! - [`nn`]: modules, functional ops ([`nn::functional`]), the [`nn::ParamStore`] and
+//!   safetensors weights.
+//! - [`zoo`]: the benchmark's models (torchvision CNNs, BERT, ViT, LinearModel).
 //!
 //! ```no_run
 //! use kiln::backend::xla::XlaBackend;
@@ -43,6 +45,7 @@ pub mod passes;
 pub mod runtime;
 pub mod trace;
 pub mod train;
+pub mod zoo;
 
 pub use compile::{compile, compile_with, CompiledFn, Program, TraceMode};
 pub use error::{Error, Result};
