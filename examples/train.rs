@@ -10,7 +10,9 @@ mod digits;
 
 use digits::{permutation, Digits};
 use kiln::backend::xla::XlaBackend;
-use kiln::nn::{Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Module, ParamStore, Relu, Sequential};
+use kiln::nn::{
+    Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Module, ParamStore, Relu, Sequential,
+};
 use kiln::optim::Sgd;
 use kiln::train::{EagerTrainStep, TrainMode, TrainStep};
 use kiln::Tensor;
@@ -40,7 +42,10 @@ fn accuracy(model: &Sequential, data: &Digits, idx: &[usize]) -> kiln::Result<f6
     let (x, y) = data.batch(idx)?;
     let logits = tch::no_grad(|| model.forward(&x))?;
     let pred = logits.as_tch()?.f_argmax(-1, false)?;
-    let correct = pred.f_eq_tensor(y.as_tch()?)?.f_sum(tch::Kind::Int64)?.int64_value(&[]);
+    let correct = pred
+        .f_eq_tensor(y.as_tch()?)?
+        .f_sum(tch::Kind::Int64)?
+        .int64_value(&[]);
     Ok(correct as f64 / idx.len() as f64)
 }
 
@@ -74,8 +79,16 @@ fn main() -> kiln::Result<()> {
         let mut trainer = match mode {
             "eager" => Trainer::Eager(EagerTrainStep::new(&store, opt, loss_fn)?.with_lr(0.05)),
             _ => {
-                let tm = if mode == "xla split" { TrainMode::Split } else { TrainMode::Fused };
-                Trainer::Xla(TrainStep::new(XlaBackend::new()?, &store, opt, loss_fn)?.with_mode(tm).with_lr(0.05))
+                let tm = if mode == "xla split" {
+                    TrainMode::Split
+                } else {
+                    TrainMode::Fused
+                };
+                Trainer::Xla(
+                    TrainStep::new(XlaBackend::new()?, &store, opt, loss_fn)?
+                        .with_mode(tm)
+                        .with_lr(0.05),
+                )
             }
         };
         let mut times = Vec::new();
@@ -98,11 +111,19 @@ fn main() -> kiln::Result<()> {
             let dt = t0.elapsed().as_secs_f64();
             times.push(dt);
             last_loss = total / n as f64;
-            println!("{mode:>9}  epoch {:>2}  loss {last_loss:.4}  {:.0} ms", epoch + 1, dt * 1e3);
+            println!(
+                "{mode:>9}  epoch {:>2}  loss {last_loss:.4}  {:.0} ms",
+                epoch + 1,
+                dt * 1e3
+            );
         }
         if let Trainer::Xla(s) = &mut trainer {
             s.sync_to_store()?;
-            println!("{mode:>9}  {} executables per step; {}", s.executables_per_step().unwrap_or(0), s.stats());
+            println!(
+                "{mode:>9}  {} executables per step; {}",
+                s.executables_per_step().unwrap_or(0),
+                s.stats()
+            );
         }
         let acc = accuracy(&model, &data, test_idx)?;
         // Epoch 1 includes compilation; report the median of the rest too.
@@ -110,13 +131,23 @@ fn main() -> kiln::Result<()> {
         steady.sort_by(f64::total_cmp);
         summary.push((mode, last_loss, acc, times[0], steady[steady.len() / 2]));
     }
-    println!("\n{:<10} {:>10} {:>14} {:>14} {:>16}", "mode", "final loss", "test accuracy", "epoch 1 (ms)", "median epoch (ms)");
+    println!(
+        "\n{:<10} {:>10} {:>14} {:>14} {:>16}",
+        "mode", "final loss", "test accuracy", "epoch 1 (ms)", "median epoch (ms)"
+    );
     for (mode, loss, acc, first, med) in &summary {
-        println!("{mode:<10} {loss:>10.4} {:>13.1}% {:>14.0} {:>16.0}", acc * 100.0, first * 1e3, med * 1e3);
+        println!(
+            "{mode:<10} {loss:>10.4} {:>13.1}% {:>14.0} {:>16.0}",
+            acc * 100.0,
+            first * 1e3,
+            med * 1e3
+        );
     }
     for (mode, _, acc, _, _) in &summary {
         if *acc < 0.9 {
-            return Err(kiln::Error::Invalid(format!("{mode}: test accuracy {acc:.3} below 0.9")));
+            return Err(kiln::Error::Invalid(format!(
+                "{mode}: test accuracy {acc:.3} below 0.9"
+            )));
         }
     }
     Ok(())

@@ -14,9 +14,11 @@ pub struct Digits {
 
 impl Digits {
     pub fn load() -> Result<Digits> {
-        let path = std::env::var_os("KILN_DIGITS").map(PathBuf::from).unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".deps/sklearn_data/digits.csv.gz")
-        });
+        let path = std::env::var_os("KILN_DIGITS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".deps/sklearn_data/digits.csv.gz")
+            });
         let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
         let mut text = String::new();
         flate2::read::GzDecoder::new(file)
@@ -28,9 +30,15 @@ impl Digits {
                 .split(',')
                 .map(|v| v.trim().parse::<f32>())
                 .collect::<std::result::Result<_, _>>()
-                .map_err(|e| Error::Format { path: path.clone(), message: format!("line {}: {e}", i + 1) })?;
+                .map_err(|e| Error::Format {
+                    path: path.clone(),
+                    message: format!("line {}: {e}", i + 1),
+                })?;
             if vals.len() != 65 {
-                return Err(Error::Format { path: path.clone(), message: format!("line {}: {} values, expected 65", i + 1, vals.len()) });
+                return Err(Error::Format {
+                    path: path.clone(),
+                    message: format!("line {}: {} values, expected 65", i + 1, vals.len()),
+                });
             }
             images.extend(vals[..64].iter().map(|v| v / 16.0));
             labels.push(vals[64] as i64);
@@ -50,7 +58,10 @@ impl Digits {
             x.extend_from_slice(&self.images[i * 64..(i + 1) * 64]);
             y.push(self.labels[i]);
         }
-        Ok((Tensor::from_slice(&[idx.len(), 1, 8, 8], &x)?, Tensor::from_slice(&[idx.len()], &y)?))
+        Ok((
+            Tensor::from_slice(&[idx.len(), 1, 8, 8], &x)?,
+            Tensor::from_slice(&[idx.len()], &y)?,
+        ))
     }
 }
 
