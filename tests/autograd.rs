@@ -164,13 +164,16 @@ struct MaxErr {
     xla: f64,
 }
 
+/// Builds an op's graph from its input nodes.
+type BuildFn = dyn Fn(&mut Graph, &[NodeId]) -> Result<NodeId>;
+
 /// One op under test: inputs (f64 data, or integer indices), which inputs to differentiate, and
 /// the graph of the op applied to them. The loss is `sum(op(...) * r)` with a random `r`.
 struct Case {
     name: String,
     inputs: Vec<HostTensor>,
     wrt: Vec<usize>,
-    build: Box<dyn Fn(&mut Graph, &[NodeId]) -> Result<NodeId>>,
+    build: Box<BuildFn>,
     /// Finite-difference step and tolerance.
     fd: (f64, f64),
     /// Tolerance against tch autograd and XLA (f64 everywhere: near machine precision).
@@ -750,6 +753,35 @@ fn vjp_windows() {
         &[0, 1],
         op2(Op::SelectAndScatter(w)),
     ));
+    // Its source transpose with ties (first maximum wins) and with -inf values next to padding
+    // (padding never wins): only the source is differentiated, as the selection jumps at ties.
+    let mut r = Rng(31);
+    let tied: Vec<f64> = (0..2 * 2 * 7 * 6)
+        .map(|_| (r.uniform() * 3.0).floor())
+        .collect();
+    cases.push(Case::new(
+        "select_and_scatter with ties",
+        vec![
+            HostTensor::from_slice(&[2, 2, 7, 6], &tied).unwrap(),
+            randn(&[2, 2, 4, 3], 22),
+        ],
+        &[1],
+        op2(Op::SelectAndScatter(window(
+            &[3, 3],
+            &[2, 2],
+            &[(1, 1), (1, 1)],
+        ))),
+    ));
+    let inf = f64::NEG_INFINITY;
+    cases.push(Case::new(
+        "select_and_scatter -inf and padding",
+        vec![
+            HostTensor::from_slice(&[1, 1, 4], &[inf, inf, 1.0, inf]).unwrap(),
+            randn(&[1, 1, 3], 23),
+        ],
+        &[1],
+        op2(Op::SelectAndScatter(window(&[2], &[2], &[(1, 1)]))),
+    ));
     check_all("windows", cases);
 }
 
@@ -997,18 +1029,21 @@ fn native_check(
     worst
 }
 
+/// (x shape, w shape, stride, padding, dilation, groups)
+type ConvCfg = (
+    [usize; 4],
+    [usize; 4],
+    [usize; 2],
+    [usize; 2],
+    [usize; 2],
+    usize,
+);
+
 #[test]
 fn vjp_conv_matches_torch_conv2d() {
     let mut worst: f64 = 0.0;
     // (x shape, w shape, stride, padding, dilation, groups)
-    let configs: [(
-        [usize; 4],
-        [usize; 4],
-        [usize; 2],
-        [usize; 2],
-        [usize; 2],
-        usize,
-    ); 5] = [
+    let configs: [ConvCfg; 5] = [
         ([2, 3, 8, 7], [4, 3, 3, 3], [1, 1], [1, 1], [1, 1], 1),
         ([2, 3, 9, 9], [5, 3, 3, 2], [2, 3], [1, 0], [1, 1], 1),
         ([1, 4, 9, 8], [6, 2, 3, 3], [2, 1], [2, 1], [2, 2], 2),
@@ -1131,7 +1166,7 @@ fn vjp_dot_and_gather_match_torch() {
 
 // ----- traced models: joint graph vs tch autograd on the eager model ---------------------------
 
-use kiln::nn::{Init, Linear, Module, ParamStore, Relu, Sequential};
+use kiln::nn::{Linear, Module, ParamStore, Relu, Sequential};
 use kiln::trace::Binding;
 use kiln::{trace, Tensor};
 
@@ -1665,7 +1700,7 @@ fn dedup_of_forward_and_backward_graphs() {
     let p = f.add_input(InputKind::Parameter, "p", TensorType::new(DType::F32, [4]));
     let e = Builder::new(&mut f).unary(UnaryOp::Exp, p).unwrap();
     f.set_outputs(vec![e, p, e, p]).unwrap();
-    let (r, map) = run_dedup(&f, &[wv.clone()]);
+    let (r, map) = run_dedup(&f, std::slice::from_ref(&wv));
     assert_eq!(
         map,
         vec![

@@ -19,8 +19,8 @@
 //!   extremum (`torch.amax`/`amin`).
 //! - **Ties, `reduce_window` max/min (pooling):** the whole gradient goes to the *first* extremal
 //!   position of each window in row-major window order, like `torch.nn.functional.max_pool2d`
-//!   (this is [`Op::SelectAndScatter`]'s semantics). Windows overlap freely; padding is never
-//!   selected.
+//!   (this is [`Op::SelectAndScatter`]'s semantics; a NaN counts as the maximum). Windows overlap
+//!   freely; padding is never selected. Min pooling is routed through `-x`.
 //! - `pow(a, b)`: as PyTorch, the gradient w.r.t. `a` is 0 where `b == 0`, and the gradient
 //!   w.r.t. `b` is 0 where `a == 0 && b >= 0`.
 //! - Indices of `take`/`scatter_add` are clamped into range by the ops; the gradients use the
@@ -558,8 +558,9 @@ fn reduce_window_sum_transpose(
 }
 
 /// The transpose of `select_and_scatter` w.r.t. its source: for each window, the cotangent at the
-/// window's first maximum of `x`. Built from strided slices, one per window offset, and a running
-/// strict-greater comparison (so the first maximum wins, as in the forward op).
+/// element the forward op selects (NaN above any number, then the larger value, then the first
+/// in row-major window order; padding is never selected and a window of pure padding gets 0).
+/// Built from strided slices, one per window offset, and a running comparison.
 fn select_and_scatter_source_transpose(
     b: &mut Builder<'_>,
     w: &WindowAttrs,
@@ -575,10 +576,13 @@ fn select_and_scatter_source_transpose(
         low.push(l as i64);
         high.push(h as i64);
     }
-    let xp = b.pad_value(x, f64::NEG_INFINITY, low.clone(), high.clone())?;
-    let cp = b.pad_value(ct, 0.0, low, high)?;
+    let xp = b.pad_value(x, 0.0, low.clone(), high.clone())?;
+    let cp = b.pad_value(ct, 0.0, low.clone(), high.clone())?;
+    let ones = b.full(xt, 1.0)?;
+    let vp = b.pad_value(ones, 0.0, low, high)?;
     let total: usize = w.window.iter().product();
-    let mut best: Option<(NodeId, NodeId)> = None;
+    // (value, cotangent, is real, is NaN) of the current choice per window.
+    let mut best: Option<(NodeId, NodeId, NodeId, NodeId)> = None;
     for flat in 0..total {
         // Row-major window offset.
         let mut off = vec![0usize; n];
@@ -597,17 +601,35 @@ fn select_and_scatter_source_transpose(
             stride.push(w.strides[k]);
         }
         let xs = b.slice(xp, start.clone(), limit.clone(), stride.clone())?;
-        let cs = b.slice(cp, start, limit, stride)?;
+        let cs = b.slice(cp, start.clone(), limit.clone(), stride.clone())?;
+        let vs = b.slice(vp, start, limit, stride)?;
+        let half = b.full_like(vs, 0.5)?;
+        let real = b.compare(CompareOp::Gt, vs, half)?;
+        let nan = b.compare(CompareOp::Ne, xs, xs)?;
         best = Some(match best {
-            None => (xs, cs),
-            Some((bx, bc)) => {
+            None => (xs, cs, real, nan),
+            Some((bx, bc, breal, bnan)) => {
+                // take = real && (!best_real || (nan && !best_nan) || x > best)
                 let gt = b.compare(CompareOp::Gt, xs, bx)?;
-                (b.select(gt, xs, bx)?, b.select(gt, cs, bc)?)
+                let not_bnan = b.unary(UnaryOp::Not, bnan)?;
+                let nan_wins = b.binary(BinaryOp::And, nan, not_bnan)?;
+                let not_breal = b.unary(UnaryOp::Not, breal)?;
+                let better = b.binary(BinaryOp::Or, gt, nan_wins)?;
+                let better = b.binary(BinaryOp::Or, better, not_breal)?;
+                let take = b.binary(BinaryOp::And, real, better)?;
+                (
+                    b.select(take, xs, bx)?,
+                    b.select(take, cs, bc)?,
+                    b.binary(BinaryOp::Or, take, breal)?,
+                    b.select(take, nan, bnan)?,
+                )
             }
         });
     }
-    best.map(|(_, c)| c)
-        .ok_or_else(|| Error::Invalid("select_and_scatter with an empty window".into()))
+    let (_, c, real, _) =
+        best.ok_or_else(|| Error::Invalid("select_and_scatter with an empty window".into()))?;
+    let zero = b.full_like(c, 0.0)?;
+    b.select(real, c, zero)
 }
 
 /// Gradients of a convolution. A batch-grouped convolution is first rewritten as a
@@ -752,4 +774,45 @@ fn conv_vjp(
         dw = Some(b.transpose(r, &p2)?);
     }
     Ok((dx, dw))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{DType, InputKind};
+
+    #[test]
+    fn cotangent_type_is_checked() {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", TensorType::new(DType::F32, [3]));
+        let y = g.add(Op::Unary(UnaryOp::Exp), &[x]).unwrap();
+        let bad = g.add_input(InputKind::Cotangent, "ct", TensorType::new(DType::F32, [4]));
+        let e = vjp(&mut g, y, bad, &[true]).unwrap_err().to_string();
+        assert!(e.contains("exp"), "{e}");
+        assert!(vjp(&mut g, y, bad, &[true, true]).is_err());
+    }
+
+    #[test]
+    fn integer_results_and_unneeded_operands_get_nothing() {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", TensorType::new(DType::F32, [3]));
+        let w = g.add_input(InputKind::Data, "w", TensorType::new(DType::F32, [3]));
+        let c = g.add(Op::Compare(CompareOp::Lt), &[x, w]).unwrap();
+        let ct = g.add_input(
+            InputKind::Cotangent,
+            "ct",
+            TensorType::new(DType::Bool, [3]),
+        );
+        assert_eq!(vjp(&mut g, c, ct, &[true, true]).unwrap(), vec![None, None]);
+        let m = g.add(Op::Binary(BinaryOp::Mul), &[x, w]).unwrap();
+        let ct = g.add_input(
+            InputKind::Cotangent,
+            "ct2",
+            TensorType::new(DType::F32, [3]),
+        );
+        let before = g.len();
+        let r = vjp(&mut g, m, ct, &[false, true]).unwrap();
+        assert!(r[0].is_none() && r[1].is_some());
+        assert_eq!(g.len(), before + 1, "only ct * x is built");
+    }
 }
