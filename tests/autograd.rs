@@ -1713,3 +1713,93 @@ fn dedup_of_forward_and_backward_graphs() {
     assert_eq!(r[1], wv);
     assert!(rel_err(&r[2], &run(&EagerBackend::new(), &f, &[wv])[0]) <= 1e-6);
 }
+
+#[test]
+fn traced_dropout_mask_is_saved_not_recomputed() {
+    let ty = TensorType::new(DType::F32, [6, 5]);
+    let t = trace(&[ty.clone(), ty.clone()], |xs| {
+        let h = xs[0].mul(&xs[1])?.dropout(0.5, true)?;
+        Ok(vec![h.tanh()?.sum_all()?])
+    })
+    .unwrap();
+    let key = t
+        .graph
+        .inputs()
+        .iter()
+        .position(|i| i.kind == InputKind::RngKey)
+        .expect("dropout adds an rng key input");
+    let j = joint(&t.graph, 0, &[1]).unwrap();
+    let nin = t.graph.inputs().len();
+    let x = to_f32(&randn(&[6, 5], 1));
+    let w = to_f32(&randn(&[6, 5], 2));
+    let k = HostTensor::from_slice(&[2], &[7u32, 9]).unwrap();
+    let mut inputs = vec![x.clone(), w.clone()];
+    inputs.insert(key, k);
+    let jo = run(xla(), &j, &with_ct(&inputs));
+    let je = run(&EagerBackend::new(), &j, &with_ct(&inputs));
+    assert!(
+        rel_err(&jo[1], &je[1]) <= 1e-6,
+        "same mask on both backends"
+    );
+    // d/dw = x * keep * 2 * (1 - tanh^2): zero exactly where the mask dropped.
+    let g = jo[1].to_f64_vec();
+    let zeros = g.iter().filter(|v| **v == 0.0).count();
+    assert!(zeros > 3 && zeros < 27, "{zeros} dropped of 30");
+    for policy in [SavePolicy::SaveAll, SavePolicy::RecomputeElementwise] {
+        let s = partition(&j, nin, 1, policy).unwrap();
+        assert!(!s
+            .backward_inputs
+            .contains(&BackwardInput::ForwardInput(key)));
+        let saved_types = s.forward.output_types();
+        assert!(
+            saved_types[1..].iter().any(|t| t.dtype == DType::Bool),
+            "{policy:?}: the keep mask is saved: {saved_types:?}"
+        );
+        let fo = run(xla(), &s.forward, &inputs);
+        let bin: Vec<HostTensor> = s
+            .backward_inputs
+            .iter()
+            .map(|b| match *b {
+                BackwardInput::Saved(i) => fo[i].clone(),
+                BackwardInput::ForwardInput(i) => inputs[i].clone(),
+                BackwardInput::Cotangent(_) => HostTensor::from_slice(&[], &[1.0f32]).unwrap(),
+            })
+            .collect();
+        let go = run(xla(), &s.backward, &bin);
+        assert!(rel_err(&go[0], &jo[1]) <= 1e-6);
+    }
+}
+
+#[test]
+fn module_doc_example_runs() {
+    let t = trace(
+        &[
+            TensorType::new(DType::F32, [4, 3]),
+            TensorType::new(DType::F32, [3]),
+        ],
+        |xs| Ok(vec![xs[0].matmul(&xs[1])?.tanh()?.sum_all()?]),
+    )
+    .unwrap();
+    let j = joint(&t.graph, 0, &[1]).unwrap();
+    let split = partition(&j, 2, 1, SavePolicy::RecomputeElementwise).unwrap();
+    let x = to_f32(&randn(&[4, 3], 1));
+    let v = to_f32(&randn(&[3], 2));
+    let fo = run(xla(), &split.forward, &[x.clone(), v.clone()]);
+    let bin: Vec<HostTensor> = split
+        .backward_inputs
+        .iter()
+        .map(|b| match *b {
+            BackwardInput::Saved(i) => fo[i].clone(),
+            BackwardInput::ForwardInput(0) => x.clone(),
+            BackwardInput::ForwardInput(_) => v.clone(),
+            BackwardInput::Cotangent(_) => HostTensor::from_slice(&[], &[1.0f32]).unwrap(),
+        })
+        .collect();
+    let g = run(xla(), &split.backward, &bin);
+    // Reference: d/dv sum(tanh(x v)) = x^T (1 - tanh^2(x v)).
+    let xt = x.to_tch().unwrap();
+    let vt = v.to_tch().unwrap().set_requires_grad(true);
+    xt.matmul(&vt).tanh().sum(None).backward();
+    let want = HostTensor::from_tch(&vt.grad(), DType::F32).unwrap();
+    assert!(rel_err(&g[0], &want) <= 1e-5);
+}
