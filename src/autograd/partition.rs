@@ -72,10 +72,23 @@ pub struct Split {
 }
 
 impl Split {
+    /// The forward inputs the backward graph reads ([`BackwardInput::ForwardInput`]), in
+    /// increasing order. A runtime must keep these buffers alive until the backward graph has run
+    /// and must not donate them to the forward graph.
+    pub fn needed_forward_inputs(&self) -> Vec<usize> {
+        self.backward_inputs
+            .iter()
+            .filter_map(|b| match b {
+                BackwardInput::ForwardInput(i) => Some(*i),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Bytes of the values the forward graph saves for the backward graph (its extra outputs).
     pub fn saved_bytes(&self) -> usize {
         let outs = self.forward.output_types();
-        outs[outs.len() - self.num_saved..]
+        outs[outs.len().saturating_sub(self.num_saved)..]
             .iter()
             .map(|t| t.size_in_bytes())
             .sum()
@@ -518,6 +531,7 @@ mod tests {
         // returned a second time; `exp(..)` is saved; x comes in as a forward input.
         assert!(s.backward_inputs.contains(&BackwardInput::Saved(1)));
         assert!(s.backward_inputs.contains(&BackwardInput::ForwardInput(0)));
+        assert_eq!(s.needed_forward_inputs(), vec![0]);
         assert_eq!(s.num_saved, 1);
         assert_eq!(s.saved_bytes(), 8 * 4 * 4);
         assert_eq!(s.backward.outputs().len(), 1);

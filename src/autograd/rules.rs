@@ -25,6 +25,15 @@
 //!   w.r.t. `b` is 0 where `a == 0 && b >= 0`.
 //! - Indices of `take`/`scatter_add` are clamped into range by the ops; the gradients use the
 //!   same clamped positions (gather ↔ scatter-add are each other's transpose).
+//! - `select_and_scatter`: zero w.r.t. the operand (the selection is locally constant); w.r.t.
+//!   the source, the cotangent gathered at the selected positions (so max pooling can be
+//!   differentiated twice).
+//! - Convolutions of any stride, padding (also negative), lhs/rhs dilation, feature groups
+//!   (depthwise included) and batch groups; the gradients are convolutions again.
+//! - Errors: every op has a rule, so differentiating a well-typed graph does not fail. [`vjp`]
+//!   returns an error naming the op when the cotangent's type does not match the value (or a
+//!   rule would build a gradient of the wrong type); [`super::joint`] rejects non-scalar or
+//!   non-float losses and non-float `wrt` inputs.
 
 use super::builder::{inverse_perm, Builder};
 use crate::error::{Error, Result};
@@ -53,11 +62,15 @@ pub fn vjp(g: &mut Graph, node: NodeId, ct: NodeId, needs: &[bool]) -> Result<Ve
             ops.len()
         )));
     }
-    if g.node(ct).ty != n.ty {
+    let ct_ty = &g
+        .get(ct)
+        .ok_or_else(|| Error::Graph(format!("vjp: cotangent {ct:?} is not in the graph")))?
+        .ty;
+    if *ct_ty != n.ty {
         return Err(Error::type_error(
             format!("vjp of {}", n.op.name()),
             format!("cotangent must have the value's type {}", n.ty),
-            &[&g.node(ct).ty],
+            &[ct_ty],
         ));
     }
     let none = vec![None; ops.len()];
