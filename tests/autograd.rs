@@ -411,25 +411,61 @@ fn vjp_binary_ops() {
 }
 
 #[test]
-fn vjp_ties_of_binary_max_split_evenly() {
-    // relu as max(x, 0) at exactly 0: half of the gradient (documented), like torch.maximum.
+fn vjp_ties_of_binary_max() {
+    // Against a constant (relu = max(x, 0)): no gradient at the threshold, like torch.relu.
+    // Between two variables: split evenly, like torch.maximum.
     let mut g = Graph::new();
     let x = g.add_input(InputKind::Data, "x", t64(&[3]));
+    let v = g.add_input(InputKind::Data, "v", t64(&[3]));
     let mut b = Builder::new(&mut g);
     let z = b.zeros(&t64(&[3])).unwrap();
-    let y = b.binary(BinaryOp::Max, x, z).unwrap();
-    let l = b.sum_all(y).unwrap();
+    let relu = b.binary(BinaryOp::Max, x, z).unwrap();
+    let both = b.binary(BinaryOp::Max, x, v).unwrap();
+    let s = b.add(relu, both).unwrap();
+    let l = b.sum_all(s).unwrap();
     g.set_outputs(vec![l]).unwrap();
-    let j = joint(&g, 0, &[0]).unwrap();
+    let j = joint(&g, 0, &[0, 1]).unwrap();
     let out = run(
         &EagerBackend::new(),
         &j,
         &[
             HostTensor::from_slice(&[3], &[-1.0f64, 0.0, 2.0]).unwrap(),
+            HostTensor::from_slice(&[3], &[-1.0f64, 1.0, 5.0]).unwrap(),
             HostTensor::from_slice(&[], &[1.0f64]).unwrap(),
         ],
     );
-    assert_eq!(out[1].to_f64_vec(), vec![0.0, 0.5, 1.0]);
+    // d/dx: relu part [0, 0, 1] + max(x, v) part [1/2, 0, 0].
+    assert_eq!(out[1].to_f64_vec(), vec![0.5, 0.0, 1.0]);
+    assert_eq!(out[2].to_f64_vec(), vec![0.5, 1.0, 1.0]);
+}
+
+#[test]
+fn vjp_threshold_activations_match_torch_at_the_kinks() {
+    // Exact zeros and sixes: relu and relu6 (traced as max(x, 0) and min(max(x, 0), 6)) get
+    // torch.relu's and torch.nn.functional.relu6's gradients at the thresholds.
+    let x = HostTensor::from_slice(&[2, 4], &[0.0f64, -1.0, 0.0, 3.0, 6.0, 7.5, 0.0, 6.0]).unwrap();
+    let relu = |g: &mut Graph, t: &[NodeId]| {
+        let mut b = Builder::new(g);
+        let z = b.zeros(&t64(&[2, 4]))?;
+        b.binary(BinaryOp::Max, t[0], z)
+    };
+    let e1 = native_check("relu at 0", std::slice::from_ref(&x), relu, |t| t[0].relu());
+    let e2 = native_check(
+        "relu6 at 0 and 6",
+        std::slice::from_ref(&x),
+        |g, t| {
+            let mut b = Builder::new(g);
+            let z = b.zeros(&t64(&[2, 4]))?;
+            let six = b.full(&t64(&[2, 4]), 6.0)?;
+            let m = b.binary(BinaryOp::Max, t[0], z)?;
+            b.binary(BinaryOp::Min, m, six)
+        },
+        |t| t[0].relu6(),
+    );
+    eprintln!(
+        "[thresholds] relu/relu6 at the kinks vs torch: {:.2e}",
+        e1.max(e2)
+    );
 }
 
 #[test]

@@ -12,9 +12,15 @@
 //!   like PyTorch, where such results do not require grad.
 //! - Piecewise-constant functions (`floor`, `ceil`, `sign`) have a zero gradient (PyTorch's
 //!   choice). `abs` has gradient `sign(x)`, 0 at 0.
-//! - **Ties, binary `max`/`min`:** the gradient is split evenly between the operands where they
-//!   are equal, as `torch.maximum`/`torch.minimum` do (and JAX). Note that a ReLU traced as
-//!   `max(x, 0)` therefore gets gradient 1/2 at exactly `x == 0` where `torch.relu` gives 0.
+//! - **Ties, binary `max`/`min` of two variables:** the gradient is split evenly between the
+//!   operands where they are equal, as `torch.maximum`/`torch.minimum` do (and JAX).
+//! - **Ties, binary `max`/`min` against a constant** (how ReLU, ReLU6, hardtanh, hardsigmoid
+//!   and clamp are traced: `max(x, 0)`, `min(max(x, 0), 6)`): a threshold. The variable
+//!   operand gets the gradient only where it strictly wins and nothing at the threshold itself,
+//!   like `torch.relu`'s and `hardtanh`'s backward (and JAX's `relu`). This matters: exact
+//!   zeros reach ReLUs routinely (a bias-free convolution over zero padding or over a window of
+//!   ReLU zeros), and splitting there would give 1/2 where PyTorch gives 0. (`torch.clamp`
+//!   itself passes the gradient at the bounds; kiln follows the activations' convention.)
 //! - **Ties, `reduce` max/min:** the gradient is split evenly among all positions equal to the
 //!   extremum (`torch.amax`/`amin`).
 //! - **Ties, `reduce_window` max/min (pooling):** the whole gradient goes to the *first* extremal
@@ -417,23 +423,35 @@ fn binary_vjp(
             }
         }
         BinaryOp::Max | BinaryOp::Min => {
-            // torch.maximum: where(a == b, grad / 2, grad), zeroed where the operand lost.
-            let lose = if op == BinaryOp::Max {
-                CompareOp::Lt
+            let (win, lose) = if op == BinaryOp::Max {
+                (CompareOp::Gt, CompareOp::Lt)
             } else {
-                CompareOp::Gt
+                (CompareOp::Lt, CompareOp::Gt)
             };
             let zero = b.full_like(ct, 0.0)?;
-            let half = b.mul_scalar(ct, 0.5)?;
-            let eq = b.compare(CompareOp::Eq, a, c)?;
-            let shared = b.select(eq, half, ct)?;
-            if need[0] {
-                let l = b.compare(lose, a, c)?;
-                r[0] = Some(b.select(l, zero, shared)?);
-            }
-            if need[1] {
-                let l = b.compare(lose, c, a)?;
-                r[1] = Some(b.select(l, zero, shared)?);
+            let (ca, cc) = (is_constant(b, a), is_constant(b, c));
+            if ca != cc {
+                // A threshold against a constant (relu = max(x, 0), relu6/hardtanh = clamp):
+                // the gradient passes only where x strictly wins, none at the threshold itself,
+                // like torch.relu / torch.nn.functional.hardtanh (and JAX's relu).
+                let (x, k, i) = if ca { (c, a, 1) } else { (a, c, 0) };
+                if need[i] {
+                    let w = b.compare(win, x, k)?;
+                    r[i] = Some(b.select(w, ct, zero)?);
+                }
+            } else {
+                // torch.maximum: where(a == b, grad / 2, grad), zeroed where the operand lost.
+                let half = b.mul_scalar(ct, 0.5)?;
+                let eq = b.compare(CompareOp::Eq, a, c)?;
+                let shared = b.select(eq, half, ct)?;
+                if need[0] {
+                    let l = b.compare(lose, a, c)?;
+                    r[0] = Some(b.select(l, zero, shared)?);
+                }
+                if need[1] {
+                    let l = b.compare(lose, c, a)?;
+                    r[1] = Some(b.select(l, zero, shared)?);
+                }
             }
         }
         // Integer/bool only; never reached with float operands.
@@ -444,6 +462,22 @@ fn binary_vjp(
         | BinaryOp::ShiftRightLogical => {}
     }
     Ok(r)
+}
+
+/// Is `x` a constant: a literal or an iota, possibly broadcast, reshaped, transposed or
+/// converted (how scalars such as the 0 of a ReLU appear in traced graphs)?
+fn is_constant(b: &mut Builder<'_>, x: NodeId) -> bool {
+    let mut cur = x;
+    loop {
+        let n = b.graph().node(cur);
+        match &n.op {
+            Op::Constant(_) | Op::Iota { .. } => return true,
+            Op::Broadcast { .. } | Op::Reshape(_) | Op::Transpose(_) | Op::Convert(_) => {
+                cur = n.operands[0];
+            }
+            _ => return false,
+        }
+    }
 }
 
 /// Gradients of `dot_general(a, b)`: each is a `dot_general` of the cotangent with the other
