@@ -8,6 +8,8 @@
 //! - [`trace`]: [`Tensor`] runs eagerly on libtorch, or records into a graph inside [`trace()`].
 //! - [`ir`]: the typed graph ([`ir::Graph`]) over a closed op set ([`ir::Op`]).
 //! - [`passes`]: graph rewrites (CSE, DCE, output dedup).
+//! - [`autograd`]: VJP rules, the joint forward+backward graph, forward/backward partition.
+//! - [`optim`]: SGD, Adam, AdamW as optimizer graphs (and eager updates).
 //! - [`backend`]: the [`backend::Backend`] trait; `eager` (tch interpreter) and `xla` (PJRT).
 //! - [`compile()`]: the entry point: trace once per input signature, compile, replay.
 //! - [`nn`]: modules, functional ops ([`nn::functional`]), the [`nn::ParamStore`] and

@@ -164,13 +164,16 @@ struct MaxErr {
     xla: f64,
 }
 
+/// Builds an op's graph from its input nodes.
+type BuildFn = dyn Fn(&mut Graph, &[NodeId]) -> Result<NodeId>;
+
 /// One op under test: inputs (f64 data, or integer indices), which inputs to differentiate, and
 /// the graph of the op applied to them. The loss is `sum(op(...) * r)` with a random `r`.
 struct Case {
     name: String,
     inputs: Vec<HostTensor>,
     wrt: Vec<usize>,
-    build: Box<dyn Fn(&mut Graph, &[NodeId]) -> Result<NodeId>>,
+    build: Box<BuildFn>,
     /// Finite-difference step and tolerance.
     fd: (f64, f64),
     /// Tolerance against tch autograd and XLA (f64 everywhere: near machine precision).
@@ -408,25 +411,61 @@ fn vjp_binary_ops() {
 }
 
 #[test]
-fn vjp_ties_of_binary_max_split_evenly() {
-    // relu as max(x, 0) at exactly 0: half of the gradient (documented), like torch.maximum.
+fn vjp_ties_of_binary_max() {
+    // Against a constant (relu = max(x, 0)): no gradient at the threshold, like torch.relu.
+    // Between two variables: split evenly, like torch.maximum.
     let mut g = Graph::new();
     let x = g.add_input(InputKind::Data, "x", t64(&[3]));
+    let v = g.add_input(InputKind::Data, "v", t64(&[3]));
     let mut b = Builder::new(&mut g);
     let z = b.zeros(&t64(&[3])).unwrap();
-    let y = b.binary(BinaryOp::Max, x, z).unwrap();
-    let l = b.sum_all(y).unwrap();
+    let relu = b.binary(BinaryOp::Max, x, z).unwrap();
+    let both = b.binary(BinaryOp::Max, x, v).unwrap();
+    let s = b.add(relu, both).unwrap();
+    let l = b.sum_all(s).unwrap();
     g.set_outputs(vec![l]).unwrap();
-    let j = joint(&g, 0, &[0]).unwrap();
+    let j = joint(&g, 0, &[0, 1]).unwrap();
     let out = run(
         &EagerBackend::new(),
         &j,
         &[
             HostTensor::from_slice(&[3], &[-1.0f64, 0.0, 2.0]).unwrap(),
+            HostTensor::from_slice(&[3], &[-1.0f64, 1.0, 5.0]).unwrap(),
             HostTensor::from_slice(&[], &[1.0f64]).unwrap(),
         ],
     );
-    assert_eq!(out[1].to_f64_vec(), vec![0.0, 0.5, 1.0]);
+    // d/dx: relu part [0, 0, 1] + max(x, v) part [1/2, 0, 0].
+    assert_eq!(out[1].to_f64_vec(), vec![0.5, 0.0, 1.0]);
+    assert_eq!(out[2].to_f64_vec(), vec![0.5, 1.0, 1.0]);
+}
+
+#[test]
+fn vjp_threshold_activations_match_torch_at_the_kinks() {
+    // Exact zeros and sixes: relu and relu6 (traced as max(x, 0) and min(max(x, 0), 6)) get
+    // torch.relu's and torch.nn.functional.relu6's gradients at the thresholds.
+    let x = HostTensor::from_slice(&[2, 4], &[0.0f64, -1.0, 0.0, 3.0, 6.0, 7.5, 0.0, 6.0]).unwrap();
+    let relu = |g: &mut Graph, t: &[NodeId]| {
+        let mut b = Builder::new(g);
+        let z = b.zeros(&t64(&[2, 4]))?;
+        b.binary(BinaryOp::Max, t[0], z)
+    };
+    let e1 = native_check("relu at 0", std::slice::from_ref(&x), relu, |t| t[0].relu());
+    let e2 = native_check(
+        "relu6 at 0 and 6",
+        std::slice::from_ref(&x),
+        |g, t| {
+            let mut b = Builder::new(g);
+            let z = b.zeros(&t64(&[2, 4]))?;
+            let six = b.full(&t64(&[2, 4]), 6.0)?;
+            let m = b.binary(BinaryOp::Max, t[0], z)?;
+            b.binary(BinaryOp::Min, m, six)
+        },
+        |t| t[0].relu6(),
+    );
+    eprintln!(
+        "[thresholds] relu/relu6 at the kinks vs torch: {:.2e}",
+        e1.max(e2)
+    );
 }
 
 #[test]
@@ -750,6 +789,35 @@ fn vjp_windows() {
         &[0, 1],
         op2(Op::SelectAndScatter(w)),
     ));
+    // Its source transpose with ties (first maximum wins) and with -inf values next to padding
+    // (padding never wins): only the source is differentiated, as the selection jumps at ties.
+    let mut r = Rng(31);
+    let tied: Vec<f64> = (0..2 * 2 * 7 * 6)
+        .map(|_| (r.uniform() * 3.0).floor())
+        .collect();
+    cases.push(Case::new(
+        "select_and_scatter with ties",
+        vec![
+            HostTensor::from_slice(&[2, 2, 7, 6], &tied).unwrap(),
+            randn(&[2, 2, 4, 3], 22),
+        ],
+        &[1],
+        op2(Op::SelectAndScatter(window(
+            &[3, 3],
+            &[2, 2],
+            &[(1, 1), (1, 1)],
+        ))),
+    ));
+    let inf = f64::NEG_INFINITY;
+    cases.push(Case::new(
+        "select_and_scatter -inf and padding",
+        vec![
+            HostTensor::from_slice(&[1, 1, 4], &[inf, inf, 1.0, inf]).unwrap(),
+            randn(&[1, 1, 3], 23),
+        ],
+        &[1],
+        op2(Op::SelectAndScatter(window(&[2], &[2], &[(1, 1)]))),
+    ));
     check_all("windows", cases);
 }
 
@@ -997,18 +1065,21 @@ fn native_check(
     worst
 }
 
+/// (x shape, w shape, stride, padding, dilation, groups)
+type ConvCfg = (
+    [usize; 4],
+    [usize; 4],
+    [usize; 2],
+    [usize; 2],
+    [usize; 2],
+    usize,
+);
+
 #[test]
 fn vjp_conv_matches_torch_conv2d() {
     let mut worst: f64 = 0.0;
     // (x shape, w shape, stride, padding, dilation, groups)
-    let configs: [(
-        [usize; 4],
-        [usize; 4],
-        [usize; 2],
-        [usize; 2],
-        [usize; 2],
-        usize,
-    ); 5] = [
+    let configs: [ConvCfg; 5] = [
         ([2, 3, 8, 7], [4, 3, 3, 3], [1, 1], [1, 1], [1, 1], 1),
         ([2, 3, 9, 9], [5, 3, 3, 2], [2, 3], [1, 0], [1, 1], 1),
         ([1, 4, 9, 8], [6, 2, 3, 3], [2, 1], [2, 1], [2, 2], 2),
@@ -1131,7 +1202,7 @@ fn vjp_dot_and_gather_match_torch() {
 
 // ----- traced models: joint graph vs tch autograd on the eager model ---------------------------
 
-use kiln::nn::{Init, Linear, Module, ParamStore, Relu, Sequential};
+use kiln::nn::{Linear, Module, ParamStore, Relu, Sequential};
 use kiln::trace::Binding;
 use kiln::{trace, Tensor};
 
@@ -1665,7 +1736,7 @@ fn dedup_of_forward_and_backward_graphs() {
     let p = f.add_input(InputKind::Parameter, "p", TensorType::new(DType::F32, [4]));
     let e = Builder::new(&mut f).unary(UnaryOp::Exp, p).unwrap();
     f.set_outputs(vec![e, p, e, p]).unwrap();
-    let (r, map) = run_dedup(&f, &[wv.clone()]);
+    let (r, map) = run_dedup(&f, std::slice::from_ref(&wv));
     assert_eq!(
         map,
         vec![
@@ -1677,4 +1748,94 @@ fn dedup_of_forward_and_backward_graphs() {
     );
     assert_eq!(r[1], wv);
     assert!(rel_err(&r[2], &run(&EagerBackend::new(), &f, &[wv])[0]) <= 1e-6);
+}
+
+#[test]
+fn traced_dropout_mask_is_saved_not_recomputed() {
+    let ty = TensorType::new(DType::F32, [6, 5]);
+    let t = trace(&[ty.clone(), ty.clone()], |xs| {
+        let h = xs[0].mul(&xs[1])?.dropout(0.5, true)?;
+        Ok(vec![h.tanh()?.sum_all()?])
+    })
+    .unwrap();
+    let key = t
+        .graph
+        .inputs()
+        .iter()
+        .position(|i| i.kind == InputKind::RngKey)
+        .expect("dropout adds an rng key input");
+    let j = joint(&t.graph, 0, &[1]).unwrap();
+    let nin = t.graph.inputs().len();
+    let x = to_f32(&randn(&[6, 5], 1));
+    let w = to_f32(&randn(&[6, 5], 2));
+    let k = HostTensor::from_slice(&[2], &[7u32, 9]).unwrap();
+    let mut inputs = vec![x.clone(), w.clone()];
+    inputs.insert(key, k);
+    let jo = run(xla(), &j, &with_ct(&inputs));
+    let je = run(&EagerBackend::new(), &j, &with_ct(&inputs));
+    assert!(
+        rel_err(&jo[1], &je[1]) <= 1e-6,
+        "same mask on both backends"
+    );
+    // d/dw = x * keep * 2 * (1 - tanh^2): zero exactly where the mask dropped.
+    let g = jo[1].to_f64_vec();
+    let zeros = g.iter().filter(|v| **v == 0.0).count();
+    assert!(zeros > 3 && zeros < 27, "{zeros} dropped of 30");
+    for policy in [SavePolicy::SaveAll, SavePolicy::RecomputeElementwise] {
+        let s = partition(&j, nin, 1, policy).unwrap();
+        assert!(!s
+            .backward_inputs
+            .contains(&BackwardInput::ForwardInput(key)));
+        let saved_types = s.forward.output_types();
+        assert!(
+            saved_types[1..].iter().any(|t| t.dtype == DType::Bool),
+            "{policy:?}: the keep mask is saved: {saved_types:?}"
+        );
+        let fo = run(xla(), &s.forward, &inputs);
+        let bin: Vec<HostTensor> = s
+            .backward_inputs
+            .iter()
+            .map(|b| match *b {
+                BackwardInput::Saved(i) => fo[i].clone(),
+                BackwardInput::ForwardInput(i) => inputs[i].clone(),
+                BackwardInput::Cotangent(_) => HostTensor::from_slice(&[], &[1.0f32]).unwrap(),
+            })
+            .collect();
+        let go = run(xla(), &s.backward, &bin);
+        assert!(rel_err(&go[0], &jo[1]) <= 1e-6);
+    }
+}
+
+#[test]
+fn module_doc_example_runs() {
+    let t = trace(
+        &[
+            TensorType::new(DType::F32, [4, 3]),
+            TensorType::new(DType::F32, [3]),
+        ],
+        |xs| Ok(vec![xs[0].matmul(&xs[1])?.tanh()?.sum_all()?]),
+    )
+    .unwrap();
+    let j = joint(&t.graph, 0, &[1]).unwrap();
+    let split = partition(&j, 2, 1, SavePolicy::RecomputeElementwise).unwrap();
+    let x = to_f32(&randn(&[4, 3], 1));
+    let v = to_f32(&randn(&[3], 2));
+    let fo = run(xla(), &split.forward, &[x.clone(), v.clone()]);
+    let bin: Vec<HostTensor> = split
+        .backward_inputs
+        .iter()
+        .map(|b| match *b {
+            BackwardInput::Saved(i) => fo[i].clone(),
+            BackwardInput::ForwardInput(0) => x.clone(),
+            BackwardInput::ForwardInput(_) => v.clone(),
+            BackwardInput::Cotangent(_) => HostTensor::from_slice(&[], &[1.0f32]).unwrap(),
+        })
+        .collect();
+    let g = run(xla(), &split.backward, &bin);
+    // Reference: d/dv sum(tanh(x v)) = x^T (1 - tanh^2(x v)).
+    let xt = x.to_tch().unwrap();
+    let vt = v.to_tch().unwrap().set_requires_grad(true);
+    xt.matmul(&vt).tanh().sum(None).backward();
+    let want = HostTensor::from_tch(&vt.grad(), DType::F32).unwrap();
+    assert!(rel_err(&g[0], &want) <= 1e-5);
 }

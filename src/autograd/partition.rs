@@ -23,9 +23,11 @@ pub enum SavePolicy {
     SaveAll,
     /// Start from `SaveAll`, then recompute cheap ops in the backward graph instead of saving
     /// them: elementwise ops (unary, binary, compare, select, convert) and layout ops (broadcast,
-    /// reshape, transpose, reverse, slice, pad, concat). A saved value is replaced by its
-    /// operands when that strictly reduces the bytes saved (or saves nothing new), repeated to a
-    /// fixpoint, so chains collapse onto their inputs. Matrix products, convolutions,
+    /// reshape, transpose, reverse, slice, pad, concat). A saved value is recomputed from its
+    /// operands (each of them saved, or recomputed in turn where that is cheaper) when this
+    /// strictly reduces the bytes saved or needs nothing new, repeated to a fixpoint, so
+    /// elementwise chains collapse onto the values they start from (a matrix product, a forward
+    /// input or output, ...). Matrix products, convolutions,
     /// reductions, pooling, gathers and scatters are never recomputed, and neither is anything
     /// that depends on an [`InputKind::RngKey`] input (random bits and dropout masks).
     RecomputeElementwise,
@@ -70,10 +72,23 @@ pub struct Split {
 }
 
 impl Split {
+    /// The forward inputs the backward graph reads ([`BackwardInput::ForwardInput`]), in
+    /// increasing order. A runtime must keep these buffers alive until the backward graph has run
+    /// and must not donate them to the forward graph.
+    pub fn needed_forward_inputs(&self) -> Vec<usize> {
+        self.backward_inputs
+            .iter()
+            .filter_map(|b| match b {
+                BackwardInput::ForwardInput(i) => Some(*i),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Bytes of the values the forward graph saves for the backward graph (its extra outputs).
     pub fn saved_bytes(&self) -> usize {
         let outs = self.forward.output_types();
-        outs[outs.len() - self.num_saved..]
+        outs[outs.len().saturating_sub(self.num_saved)..]
             .iter()
             .map(|t| t.size_in_bytes())
             .sum()
@@ -106,6 +121,118 @@ fn is_cheap(op: &Op) -> bool {
         | Op::Conv(_)
         | Op::Take { .. }
         | Op::ScatterAdd { .. } => false,
+    }
+}
+
+/// The recompute planner of [`SavePolicy::RecomputeElementwise`].
+struct Recompute<'a> {
+    joint: &'a Graph,
+    num_inputs: usize,
+    fwd_outputs: &'a HashSet<NodeId>,
+    input_dep: &'a HashSet<NodeId>,
+    rng_dep: &'a HashSet<NodeId>,
+}
+
+impl Recompute<'_> {
+    fn bytes(&self, v: NodeId) -> usize {
+        self.joint.node(v).ty.size_in_bytes()
+    }
+
+    /// Is `v` free in the backward graph (a forward input or output, a constant, or already
+    /// saved or recomputed)?
+    fn avail(&self, v: NodeId, saved: &HashSet<NodeId>, recomputed: &HashSet<NodeId>) -> bool {
+        matches!(self.joint.node(v).op, Op::Input(i) if i < self.num_inputs)
+            || self.fwd_outputs.contains(&v)
+            || !self.input_dep.contains(&v)
+            || saved.contains(&v)
+            || recomputed.contains(&v)
+    }
+
+    fn recomputable(&self, v: NodeId) -> bool {
+        is_cheap(&self.joint.node(v).op)
+            && !self.rng_dep.contains(&v)
+            && !self.fwd_outputs.contains(&v)
+    }
+
+    fn unique_operands(&self, v: NodeId) -> Vec<NodeId> {
+        let mut ops: Vec<NodeId> = Vec::new();
+        for &o in &self.joint.node(v).operands {
+            if !ops.contains(&o) {
+                ops.push(o);
+            }
+        }
+        ops
+    }
+
+    /// Bytes that must be saved to make `v` available: 0 if it is, else the cheaper of saving it
+    /// and (if recomputable) making its operands available.
+    fn cost(
+        &self,
+        v: NodeId,
+        saved: &HashSet<NodeId>,
+        recomputed: &HashSet<NodeId>,
+        memo: &mut HashMap<NodeId, usize>,
+    ) -> usize {
+        if self.avail(v, saved, recomputed) {
+            return 0;
+        }
+        if let Some(&c) = memo.get(&v) {
+            return c;
+        }
+        let own = self.bytes(v);
+        let c = if self.recomputable(v) {
+            own.min(self.operands_cost(v, saved, recomputed, memo))
+        } else {
+            own
+        };
+        memo.insert(v, c);
+        c
+    }
+
+    fn operands_cost(
+        &self,
+        v: NodeId,
+        saved: &HashSet<NodeId>,
+        recomputed: &HashSet<NodeId>,
+        memo: &mut HashMap<NodeId, usize>,
+    ) -> usize {
+        self.unique_operands(v)
+            .into_iter()
+            .map(|o| self.cost(o, saved, recomputed, memo))
+            .sum()
+    }
+
+    /// Recomputes `v` in the backward graph: its operands are recomputed where that is strictly
+    /// cheaper than saving them, and saved otherwise.
+    fn materialize(
+        &self,
+        v: NodeId,
+        saved: &mut HashSet<NodeId>,
+        recomputed: &mut HashSet<NodeId>,
+        memo: &mut HashMap<NodeId, usize>,
+    ) {
+        saved.remove(&v);
+        recomputed.insert(v);
+        memo.clear();
+        for o in self.unique_operands(v) {
+            if self.avail(o, saved, recomputed) {
+                continue;
+            }
+            let via_ops = if self.recomputable(o) {
+                Some(self.operands_cost(o, saved, recomputed, memo))
+            } else {
+                None
+            };
+            match via_ops {
+                Some(c) if c == 0 || c < self.bytes(o) => {
+                    self.materialize(o, saved, recomputed, memo)
+                }
+                _ => {
+                    saved.insert(o);
+                    memo.clear();
+                }
+            }
+        }
     }
 }
 
@@ -207,36 +334,25 @@ pub fn partition(
     }
     let mut recomputed: HashSet<NodeId> = HashSet::new();
     if policy == SavePolicy::RecomputeElementwise {
-        let bytes = |n: NodeId| joint.node(n).ty.size_in_bytes();
+        let r = Recompute {
+            joint,
+            num_inputs,
+            fwd_outputs: &fwd_outputs,
+            input_dep: &input_dep,
+            rng_dep: &rng_dep,
+        };
         loop {
             let mut changed = false;
             let mut cands: Vec<NodeId> = saved.iter().copied().collect();
             cands.sort_by_key(|n| std::cmp::Reverse(pos[n]));
             for v in cands {
-                // A user output is returned anyway: keeping it costs nothing.
-                if !saved.contains(&v)
-                    || fwd_outputs.contains(&v)
-                    || !is_cheap(&joint.node(v).op)
-                    || rng_dep.contains(&v)
-                {
+                if !saved.contains(&v) || !r.recomputable(v) {
                     continue;
                 }
-                let mut new: Vec<NodeId> = Vec::new();
-                for &o in &joint.node(v).operands {
-                    let avail = is_primal_input(o)
-                        || fwd_outputs.contains(&o)
-                        || !input_dep.contains(&o)
-                        || saved.contains(&o)
-                        || recomputed.contains(&o);
-                    if !avail && !new.contains(&o) {
-                        new.push(o);
-                    }
-                }
-                let cost: usize = new.iter().map(|&o| bytes(o)).sum();
-                if cost == 0 || cost < bytes(v) {
-                    saved.remove(&v);
-                    recomputed.insert(v);
-                    saved.extend(new);
+                let mut memo = HashMap::new();
+                let cost = r.operands_cost(v, &saved, &recomputed, &mut memo);
+                if cost == 0 || cost < r.bytes(v) {
+                    r.materialize(v, &mut saved, &mut recomputed, &mut memo);
                     changed = true;
                 }
             }
@@ -371,4 +487,84 @@ pub fn partition(
         num_saved,
         backward_inputs,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::autograd::{joint, Builder};
+    use crate::ir::{BinaryOp, DType, Shape, TensorType, UnaryOp};
+
+    /// `loss = sum(exp(tanh(x * w) + 1))`, `w` broadcast from `[4]`; also returns `y = tanh(..)`.
+    fn chain() -> Graph {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", TensorType::new(DType::F32, [8, 4]));
+        let w = g.add_input(InputKind::Parameter, "w", TensorType::new(DType::F32, [4]));
+        let mut b = Builder::new(&mut g);
+        let wb = b.broadcast(w, &Shape::new(&[8, 4]), vec![1]).unwrap();
+        let a = b.binary(BinaryOp::Mul, x, wb).unwrap();
+        let y = b.unary(UnaryOp::Tanh, a).unwrap();
+        let z = b.add_scalar(y, 1.0).unwrap();
+        let e = b.unary(UnaryOp::Exp, z).unwrap();
+        let l = b.sum_all(e).unwrap();
+        g.set_outputs(vec![l, y]).unwrap();
+        g
+    }
+
+    #[test]
+    fn backward_inputs_layout_and_saving() {
+        let j = joint(&chain(), 0, &[1]).unwrap();
+        let s = partition(&j, 2, 2, SavePolicy::SaveAll).unwrap();
+        // Saved values first, then forward inputs, then the cotangent.
+        let kinds: Vec<u8> = s
+            .backward_inputs
+            .iter()
+            .map(|b| match b {
+                BackwardInput::Saved(_) => 0,
+                BackwardInput::ForwardInput(_) => 1,
+                BackwardInput::Cotangent(_) => 2,
+            })
+            .collect();
+        assert!(kinds.windows(2).all(|w| w[0] <= w[1]), "{kinds:?}");
+        assert_eq!(s.backward_inputs.last(), Some(&BackwardInput::Cotangent(0)));
+        // The user output y is needed by the backward graph (tanh's rule) and referenced, not
+        // returned a second time; `exp(..)` is saved; x comes in as a forward input.
+        assert!(s.backward_inputs.contains(&BackwardInput::Saved(1)));
+        assert!(s.backward_inputs.contains(&BackwardInput::ForwardInput(0)));
+        assert_eq!(s.needed_forward_inputs(), vec![0]);
+        assert_eq!(s.num_saved, 1);
+        assert_eq!(s.saved_bytes(), 8 * 4 * 4);
+        assert_eq!(s.backward.outputs().len(), 1);
+        // Recompute: exp(y + 1) is recomputed from the user output y, so nothing extra is saved.
+        let r = partition(&j, 2, 2, SavePolicy::RecomputeElementwise).unwrap();
+        assert_eq!(r.num_saved, 0);
+        assert_eq!(r.saved_bytes(), 0);
+        assert!(r.backward_inputs.contains(&BackwardInput::Saved(1)));
+    }
+
+    #[test]
+    fn rejects_bad_counts_and_tangent_dependent_outputs() {
+        let j = joint(&chain(), 0, &[1]).unwrap();
+        assert!(partition(&j, 5, 2, SavePolicy::SaveAll).is_err());
+        // Declaring a gradient as a forward output makes it depend on the cotangent.
+        let e = partition(&j, 2, 3, SavePolicy::SaveAll).unwrap_err();
+        assert!(e.to_string().contains("cotangent"), "{e}");
+    }
+
+    #[test]
+    fn donation_of_inputs_the_backward_needs_is_dropped() {
+        let mut g = chain();
+        // Pretend the forward donates x to the output y; the backward graph needs x (the
+        // gradient of x * w w.r.t. w), so the donation must go.
+        g.add_alias(0, 1).unwrap();
+        let j = joint(&g, 0, &[1]).unwrap();
+        assert_eq!(j.aliases(), &[(0, 1)]);
+        let s = partition(&j, 2, 2, SavePolicy::SaveAll).unwrap();
+        assert!(s.backward_inputs.contains(&BackwardInput::ForwardInput(0)));
+        assert!(s.forward.aliases().is_empty());
+        // Without a gradient w.r.t. w, x is not needed and the donation stays.
+        let j = joint(&g, 0, &[]).unwrap();
+        let s = partition(&j, 2, 2, SavePolicy::SaveAll).unwrap();
+        assert_eq!(s.forward.aliases(), &[(0, 1)]);
+    }
 }

@@ -12,19 +12,34 @@
 //!   like PyTorch, where such results do not require grad.
 //! - Piecewise-constant functions (`floor`, `ceil`, `sign`) have a zero gradient (PyTorch's
 //!   choice). `abs` has gradient `sign(x)`, 0 at 0.
-//! - **Ties, binary `max`/`min`:** the gradient is split evenly between the operands where they
-//!   are equal, as `torch.maximum`/`torch.minimum` do (and JAX). Note that a ReLU traced as
-//!   `max(x, 0)` therefore gets gradient 1/2 at exactly `x == 0` where `torch.relu` gives 0.
+//! - **Ties, binary `max`/`min` of two variables:** the gradient is split evenly between the
+//!   operands where they are equal, as `torch.maximum`/`torch.minimum` do (and JAX).
+//! - **Ties, binary `max`/`min` against a constant** (how ReLU, ReLU6, hardtanh, hardsigmoid
+//!   and clamp are traced: `max(x, 0)`, `min(max(x, 0), 6)`): a threshold. The variable
+//!   operand gets the gradient only where it strictly wins and nothing at the threshold itself,
+//!   like `torch.relu`'s and `hardtanh`'s backward (and JAX's `relu`). This matters: exact
+//!   zeros reach ReLUs routinely (a bias-free convolution over zero padding or over a window of
+//!   ReLU zeros), and splitting there would give 1/2 where PyTorch gives 0. (`torch.clamp`
+//!   itself passes the gradient at the bounds; kiln follows the activations' convention.)
 //! - **Ties, `reduce` max/min:** the gradient is split evenly among all positions equal to the
 //!   extremum (`torch.amax`/`amin`).
 //! - **Ties, `reduce_window` max/min (pooling):** the whole gradient goes to the *first* extremal
 //!   position of each window in row-major window order, like `torch.nn.functional.max_pool2d`
-//!   (this is [`Op::SelectAndScatter`]'s semantics). Windows overlap freely; padding is never
-//!   selected.
+//!   (this is [`Op::SelectAndScatter`]'s semantics; a NaN counts as the maximum). Windows overlap
+//!   freely; padding is never selected. Min pooling is routed through `-x`.
 //! - `pow(a, b)`: as PyTorch, the gradient w.r.t. `a` is 0 where `b == 0`, and the gradient
 //!   w.r.t. `b` is 0 where `a == 0 && b >= 0`.
 //! - Indices of `take`/`scatter_add` are clamped into range by the ops; the gradients use the
 //!   same clamped positions (gather ↔ scatter-add are each other's transpose).
+//! - `select_and_scatter`: zero w.r.t. the operand (the selection is locally constant); w.r.t.
+//!   the source, the cotangent gathered at the selected positions (so max pooling can be
+//!   differentiated twice).
+//! - Convolutions of any stride, padding (also negative), lhs/rhs dilation, feature groups
+//!   (depthwise included) and batch groups; the gradients are convolutions again.
+//! - Errors: every op has a rule, so differentiating a well-typed graph does not fail. [`vjp`]
+//!   returns an error naming the op when the cotangent's type does not match the value (or a
+//!   rule would build a gradient of the wrong type); [`super::joint`] rejects non-scalar or
+//!   non-float losses and non-float `wrt` inputs.
 
 use super::builder::{inverse_perm, Builder};
 use crate::error::{Error, Result};
@@ -53,11 +68,15 @@ pub fn vjp(g: &mut Graph, node: NodeId, ct: NodeId, needs: &[bool]) -> Result<Ve
             ops.len()
         )));
     }
-    if g.node(ct).ty != n.ty {
+    let ct_ty = &g
+        .get(ct)
+        .ok_or_else(|| Error::Graph(format!("vjp: cotangent {ct:?} is not in the graph")))?
+        .ty;
+    if *ct_ty != n.ty {
         return Err(Error::type_error(
             format!("vjp of {}", n.op.name()),
             format!("cotangent must have the value's type {}", n.ty),
-            &[&g.node(ct).ty],
+            &[ct_ty],
         ));
     }
     let none = vec![None; ops.len()];
@@ -404,23 +423,35 @@ fn binary_vjp(
             }
         }
         BinaryOp::Max | BinaryOp::Min => {
-            // torch.maximum: where(a == b, grad / 2, grad), zeroed where the operand lost.
-            let lose = if op == BinaryOp::Max {
-                CompareOp::Lt
+            let (win, lose) = if op == BinaryOp::Max {
+                (CompareOp::Gt, CompareOp::Lt)
             } else {
-                CompareOp::Gt
+                (CompareOp::Lt, CompareOp::Gt)
             };
             let zero = b.full_like(ct, 0.0)?;
-            let half = b.mul_scalar(ct, 0.5)?;
-            let eq = b.compare(CompareOp::Eq, a, c)?;
-            let shared = b.select(eq, half, ct)?;
-            if need[0] {
-                let l = b.compare(lose, a, c)?;
-                r[0] = Some(b.select(l, zero, shared)?);
-            }
-            if need[1] {
-                let l = b.compare(lose, c, a)?;
-                r[1] = Some(b.select(l, zero, shared)?);
+            let (ca, cc) = (is_constant(b, a), is_constant(b, c));
+            if ca != cc {
+                // A threshold against a constant (relu = max(x, 0), relu6/hardtanh = clamp):
+                // the gradient passes only where x strictly wins, none at the threshold itself,
+                // like torch.relu / torch.nn.functional.hardtanh (and JAX's relu).
+                let (x, k, i) = if ca { (c, a, 1) } else { (a, c, 0) };
+                if need[i] {
+                    let w = b.compare(win, x, k)?;
+                    r[i] = Some(b.select(w, ct, zero)?);
+                }
+            } else {
+                // torch.maximum: where(a == b, grad / 2, grad), zeroed where the operand lost.
+                let half = b.mul_scalar(ct, 0.5)?;
+                let eq = b.compare(CompareOp::Eq, a, c)?;
+                let shared = b.select(eq, half, ct)?;
+                if need[0] {
+                    let l = b.compare(lose, a, c)?;
+                    r[0] = Some(b.select(l, zero, shared)?);
+                }
+                if need[1] {
+                    let l = b.compare(lose, c, a)?;
+                    r[1] = Some(b.select(l, zero, shared)?);
+                }
             }
         }
         // Integer/bool only; never reached with float operands.
@@ -431,6 +462,22 @@ fn binary_vjp(
         | BinaryOp::ShiftRightLogical => {}
     }
     Ok(r)
+}
+
+/// Is `x` a constant: a literal or an iota, possibly broadcast, reshaped, transposed or
+/// converted (how scalars such as the 0 of a ReLU appear in traced graphs)?
+fn is_constant(b: &mut Builder<'_>, x: NodeId) -> bool {
+    let mut cur = x;
+    loop {
+        let n = b.graph().node(cur);
+        match &n.op {
+            Op::Constant(_) | Op::Iota { .. } => return true,
+            Op::Broadcast { .. } | Op::Reshape(_) | Op::Transpose(_) | Op::Convert(_) => {
+                cur = n.operands[0];
+            }
+            _ => return false,
+        }
+    }
 }
 
 /// Gradients of `dot_general(a, b)`: each is a `dot_general` of the cotangent with the other
@@ -558,8 +605,9 @@ fn reduce_window_sum_transpose(
 }
 
 /// The transpose of `select_and_scatter` w.r.t. its source: for each window, the cotangent at the
-/// window's first maximum of `x`. Built from strided slices, one per window offset, and a running
-/// strict-greater comparison (so the first maximum wins, as in the forward op).
+/// element the forward op selects (NaN above any number, then the larger value, then the first
+/// in row-major window order; padding is never selected and a window of pure padding gets 0).
+/// Built from strided slices, one per window offset, and a running comparison.
 fn select_and_scatter_source_transpose(
     b: &mut Builder<'_>,
     w: &WindowAttrs,
@@ -575,10 +623,13 @@ fn select_and_scatter_source_transpose(
         low.push(l as i64);
         high.push(h as i64);
     }
-    let xp = b.pad_value(x, f64::NEG_INFINITY, low.clone(), high.clone())?;
-    let cp = b.pad_value(ct, 0.0, low, high)?;
+    let xp = b.pad_value(x, 0.0, low.clone(), high.clone())?;
+    let cp = b.pad_value(ct, 0.0, low.clone(), high.clone())?;
+    let ones = b.full(xt, 1.0)?;
+    let vp = b.pad_value(ones, 0.0, low, high)?;
     let total: usize = w.window.iter().product();
-    let mut best: Option<(NodeId, NodeId)> = None;
+    // (value, cotangent, is real, is NaN) of the current choice per window.
+    let mut best: Option<(NodeId, NodeId, NodeId, NodeId)> = None;
     for flat in 0..total {
         // Row-major window offset.
         let mut off = vec![0usize; n];
@@ -597,17 +648,35 @@ fn select_and_scatter_source_transpose(
             stride.push(w.strides[k]);
         }
         let xs = b.slice(xp, start.clone(), limit.clone(), stride.clone())?;
-        let cs = b.slice(cp, start, limit, stride)?;
+        let cs = b.slice(cp, start.clone(), limit.clone(), stride.clone())?;
+        let vs = b.slice(vp, start, limit, stride)?;
+        let half = b.full_like(vs, 0.5)?;
+        let real = b.compare(CompareOp::Gt, vs, half)?;
+        let nan = b.compare(CompareOp::Ne, xs, xs)?;
         best = Some(match best {
-            None => (xs, cs),
-            Some((bx, bc)) => {
+            None => (xs, cs, real, nan),
+            Some((bx, bc, breal, bnan)) => {
+                // take = real && (!best_real || (nan && !best_nan) || x > best)
                 let gt = b.compare(CompareOp::Gt, xs, bx)?;
-                (b.select(gt, xs, bx)?, b.select(gt, cs, bc)?)
+                let not_bnan = b.unary(UnaryOp::Not, bnan)?;
+                let nan_wins = b.binary(BinaryOp::And, nan, not_bnan)?;
+                let not_breal = b.unary(UnaryOp::Not, breal)?;
+                let better = b.binary(BinaryOp::Or, gt, nan_wins)?;
+                let better = b.binary(BinaryOp::Or, better, not_breal)?;
+                let take = b.binary(BinaryOp::And, real, better)?;
+                (
+                    b.select(take, xs, bx)?,
+                    b.select(take, cs, bc)?,
+                    b.binary(BinaryOp::Or, take, breal)?,
+                    b.select(take, nan, bnan)?,
+                )
             }
         });
     }
-    best.map(|(_, c)| c)
-        .ok_or_else(|| Error::Invalid("select_and_scatter with an empty window".into()))
+    let (_, c, real, _) =
+        best.ok_or_else(|| Error::Invalid("select_and_scatter with an empty window".into()))?;
+    let zero = b.full_like(c, 0.0)?;
+    b.select(real, c, zero)
 }
 
 /// Gradients of a convolution. A batch-grouped convolution is first rewritten as a
@@ -752,4 +821,45 @@ fn conv_vjp(
         dw = Some(b.transpose(r, &p2)?);
     }
     Ok((dx, dw))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{DType, InputKind};
+
+    #[test]
+    fn cotangent_type_is_checked() {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", TensorType::new(DType::F32, [3]));
+        let y = g.add(Op::Unary(UnaryOp::Exp), &[x]).unwrap();
+        let bad = g.add_input(InputKind::Cotangent, "ct", TensorType::new(DType::F32, [4]));
+        let e = vjp(&mut g, y, bad, &[true]).unwrap_err().to_string();
+        assert!(e.contains("exp"), "{e}");
+        assert!(vjp(&mut g, y, bad, &[true, true]).is_err());
+    }
+
+    #[test]
+    fn integer_results_and_unneeded_operands_get_nothing() {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", TensorType::new(DType::F32, [3]));
+        let w = g.add_input(InputKind::Data, "w", TensorType::new(DType::F32, [3]));
+        let c = g.add(Op::Compare(CompareOp::Lt), &[x, w]).unwrap();
+        let ct = g.add_input(
+            InputKind::Cotangent,
+            "ct",
+            TensorType::new(DType::Bool, [3]),
+        );
+        assert_eq!(vjp(&mut g, c, ct, &[true, true]).unwrap(), vec![None, None]);
+        let m = g.add(Op::Binary(BinaryOp::Mul), &[x, w]).unwrap();
+        let ct = g.add_input(
+            InputKind::Cotangent,
+            "ct2",
+            TensorType::new(DType::F32, [3]),
+        );
+        let before = g.len();
+        let r = vjp(&mut g, m, ct, &[false, true]).unwrap();
+        assert!(r[0].is_none() && r[1].is_some());
+        assert_eq!(g.len(), before + 1, "only ct * x is built");
+    }
 }

@@ -3,7 +3,7 @@
 use super::{check_eager, check_update, Optimizer};
 use crate::autograd::Builder;
 use crate::error::{Error, Result};
-use crate::ir::{BinaryOp, Graph, NodeId, TensorType, UnaryOp};
+use crate::ir::{BinaryOp, DType, Graph, NodeId, TensorType, UnaryOp};
 
 /// `torch.optim.Adam` (weight decay as an L2 term added to the gradient):
 ///
@@ -209,16 +209,19 @@ impl Core {
         )?;
         let d = pt.dtype;
         let mut b = Builder::new(g);
-        let lr = b.to_float(lr, d)?;
-        let step = b.to_float(step, d)?;
+        // Scalar factors are computed in f64, as PyTorch computes them in Python floats: in f32,
+        // `1 - 0.999^t` would lose ~1e-5 of relative precision to cancellation.
+        let lr64 = b.to_float(lr, DType::F64)?;
+        let step64 = b.to_float(step, DType::F64)?;
         let mut p = param;
         let mut gr = grad;
         if self.weight_decay != 0.0 {
             if self.decoupled {
                 // p * (1 - lr * wd)
-                let wd = b.scalar(d, self.weight_decay)?;
-                let lw = b.mul(lr, wd)?;
+                let wd = b.scalar(DType::F64, self.weight_decay)?;
+                let lw = b.mul(lr64, wd)?;
                 let f = b.rsub_scalar(1.0, lw)?;
+                let f = b.convert(f, d)?;
                 let f = b.splat(f, &pt.shape)?;
                 p = b.mul(p, f)?;
             } else {
@@ -243,14 +246,16 @@ impl Core {
         let g2 = b.mul_scalar(g2, 1.0 - self.beta2)?;
         let v_new = b.add(vb, g2)?;
         // Bias corrections from the step input.
-        let b1 = b.scalar(d, self.beta1)?;
-        let b2 = b.scalar(d, self.beta2)?;
-        let b1t = b.binary(BinaryOp::Pow, b1, step)?;
-        let b2t = b.binary(BinaryOp::Pow, b2, step)?;
+        let b1 = b.scalar(DType::F64, self.beta1)?;
+        let b2 = b.scalar(DType::F64, self.beta2)?;
+        let b1t = b.binary(BinaryOp::Pow, b1, step64)?;
+        let b2t = b.binary(BinaryOp::Pow, b2, step64)?;
         let bc1 = b.rsub_scalar(1.0, b1t)?;
         let bc2 = b.rsub_scalar(1.0, b2t)?;
-        let step_size = b.div(lr, bc1)?;
+        let step_size = b.div(lr64, bc1)?;
+        let step_size = b.convert(step_size, d)?;
         let bc2_sqrt = b.unary(UnaryOp::Sqrt, bc2)?;
+        let bc2_sqrt = b.convert(bc2_sqrt, d)?;
         let mut new_state = vec![m_new, v_new];
         let second = if self.amsgrad {
             let vmax = b.binary(BinaryOp::Max, state[2], v_new)?;

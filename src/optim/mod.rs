@@ -133,8 +133,13 @@ pub(crate) fn check_update(
     expected_states: usize,
     [lr, step]: [NodeId; 2],
 ) -> Result<TensorType> {
-    let pt = g.node(param).ty.clone();
-    let gt = &g.node(grad).ty;
+    let ty = |id: NodeId| -> Result<&TensorType> {
+        g.get(id)
+            .map(|n| &n.ty)
+            .ok_or_else(|| Error::Graph(format!("{name}: node {id:?} is not in the graph")))
+    };
+    let pt = ty(param)?.clone();
+    let gt = ty(grad)?;
     if !pt.dtype.is_float() || *gt != pt {
         return Err(Error::type_error(
             name,
@@ -149,16 +154,17 @@ pub(crate) fn check_update(
         )));
     }
     for &s in state {
-        if g.node(s).ty != pt {
+        let st = ty(s)?;
+        if *st != pt {
             return Err(Error::type_error(
                 name,
                 "state tensors must have the parameter's type",
-                &[&pt, &g.node(s).ty],
+                &[&pt, st],
             ));
         }
     }
     for (what, s) in [("lr", lr), ("step", step)] {
-        let t = &g.node(s).ty;
+        let t = ty(s)?;
         if t.shape.rank() != 0 || !t.dtype.is_float() {
             return Err(Error::type_error(
                 name,
