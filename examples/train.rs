@@ -51,7 +51,7 @@ fn accuracy(model: &Sequential, data: &Digits, idx: &[usize]) -> kiln::Result<f6
 
 enum Trainer {
     Eager(EagerTrainStep),
-    Xla(TrainStep<XlaBackend>),
+    Xla(Box<TrainStep<XlaBackend>>),
 }
 
 fn main() -> kiln::Result<()> {
@@ -84,11 +84,11 @@ fn main() -> kiln::Result<()> {
                 } else {
                     TrainMode::Fused
                 };
-                Trainer::Xla(
+                Trainer::Xla(Box::new(
                     TrainStep::new(XlaBackend::new()?, &store, opt, loss_fn)?
                         .with_mode(tm)
                         .with_lr(0.05),
-                )
+                ))
             }
         };
         let mut times = Vec::new();
