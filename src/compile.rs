@@ -182,6 +182,8 @@ impl<B: Backend> CompiledFn<B> {
     fn prepare(&mut self, signature: &[TensorType]) -> Result<Prepared<B>> {
         if self.mode == TraceMode::Once {
             if let Some((p, e)) = self.programs.get(signature) {
+                // A replay is a cache hit (the executable is not looked up again).
+                self.rt.metrics().cache_hit();
                 return Ok((p.clone(), e.clone()));
             }
         }

@@ -8,10 +8,14 @@
 //! - [`trace`]: [`Tensor`] runs eagerly on libtorch, or records into a graph inside [`trace()`].
 //! - [`ir`]: the typed graph ([`ir::Graph`]) over a closed op set ([`ir::Op`]).
 //! - [`passes`]: graph rewrites (CSE, DCE, output dedup).
+//! - [`autograd`]: VJP rules, the joint forward+backward graph, forward/backward partition.
+//! - [`optim`]: SGD, Adam, AdamW as optimizer graphs (and eager updates).
 //! - [`backend`]: the [`backend::Backend`] trait; `eager` (tch interpreter) and `xla` (PJRT).
 //! - [`compile()`]: the entry point: trace once per input signature, compile, replay.
-//! - [`nn`]: modules and the [`nn::ParamStore`].
-//! - [`zoo`]: the benchmark models; [`bench`]: the benchmark harness (the `bench` example).
+//! - [`nn`]: modules, functional ops ([`nn::functional`]), the [`nn::ParamStore`] and
+//!   safetensors weights.
+//! - [`zoo`]: the benchmark's models (torchvision CNNs, BERT, ViT, LinearModel).
+//! - [`bench`]: the benchmark harness (the `bench` example).
 //!
 //! ```no_run
 //! use kiln::backend::xla::XlaBackend;
@@ -33,15 +37,18 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod autograd;
 pub mod backend;
 pub mod bench;
 pub mod compile;
 pub mod error;
 pub mod ir;
 pub mod nn;
+pub mod optim;
 pub mod passes;
 pub mod runtime;
 pub mod trace;
+pub mod train;
 pub mod zoo;
 
 pub use compile::{compile, compile_with, CompiledFn, Program, TraceMode};

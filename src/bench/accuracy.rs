@@ -75,11 +75,24 @@ impl std::fmt::Display for AccuracyStatus {
     }
 }
 
+/// What a compiled result was compared with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reference {
+    /// The eager baseline (libtorch).
+    Eager,
+    /// kiln's graph interpreter ([`crate::backend::eager::EagerBackend`]), used when libtorch
+    /// eager does not repeat itself: training a model with dropout, whose masks libtorch draws
+    /// from its own generator while every kiln backend draws them from the same threefry key.
+    GraphInterpreter,
+}
+
 /// A compiled result compared with the eager one.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Accuracy {
     /// Pass or fail.
     pub status: AccuracyStatus,
+    /// What it was compared with.
+    pub reference: Reference,
     /// The largest `|compiled - eager|` over the elements (worst over all checks).
     pub max_abs_diff: f64,
     /// The cosine similarity (worst over all checks).
@@ -104,6 +117,11 @@ impl Accuracy {
                 other.status
             } else {
                 self.status
+            },
+            reference: if other.reference == Reference::Eager {
+                self.reference
+            } else {
+                other.reference
             },
             max_abs_diff: nan_max(self.max_abs_diff, other.max_abs_diff),
             cosine: nan_min(self.cosine, other.cosine),
@@ -132,6 +150,7 @@ pub fn compare(eager: &[f64], compiled: &[f64], tol: &Tolerance) -> Accuracy {
     if eager.len() != compiled.len() {
         return Accuracy {
             status: AccuracyStatus::Fail,
+            reference: Reference::Eager,
             max_abs_diff: f64::NAN,
             cosine: f64::NAN,
         };
@@ -177,6 +196,7 @@ pub fn compare(eager: &[f64], compiled: &[f64], tol: &Tolerance) -> Accuracy {
         } else {
             AccuracyStatus::Fail
         },
+        reference: Reference::Eager,
         max_abs_diff: max_abs,
         cosine,
     }

@@ -49,7 +49,7 @@ pub mod stats;
 mod train;
 pub mod user;
 
-pub use accuracy::{compare, Accuracy, AccuracyStatus, Tolerance};
+pub use accuracy::{compare, Accuracy, AccuracyStatus, Reference, Tolerance};
 pub use registry::{BackendEntry, BackendRegistry};
 pub use report::{Column, ModelRow, Report, VariantResult};
 pub use user::{ModelSpec, UserModelSpec};

@@ -1,6 +1,6 @@
 //! The report: rows per model, the seeds' table layout and CSV.
 
-use super::accuracy::{Accuracy, Tolerance};
+use super::accuracy::{Accuracy, Reference, Tolerance};
 use super::stats::{geomean, SAME_THRESHOLD};
 use super::{Experiment, Variant};
 use crate::error::{Error, Result};
@@ -255,7 +255,15 @@ impl Report {
             }
         }
         if bad.is_empty() {
-            "pass".into()
+            let interp = row.results.iter().any(|r| {
+                r.accuracy
+                    .is_some_and(|a| a.reference == Reference::GraphInterpreter)
+            });
+            if interp {
+                "pass (vs graph interp)".into()
+            } else {
+                "pass".into()
+            }
         } else {
             bad.join(", ")
         }
@@ -425,6 +433,19 @@ impl std::fmt::Display for Report {
             Experiment::Accuracy => writeln!(f, "{what}; accuracy against eager")?,
         }
         writeln!(f, "accuracy: {}", self.tolerance.describe())?;
+        let interp = self.rows.iter().any(|r| {
+            r.results.iter().any(|v| {
+                v.accuracy
+                    .is_some_and(|a| a.reference == Reference::GraphInterpreter)
+            })
+        });
+        if interp {
+            writeln!(
+                f,
+                "vs graph interp: libtorch eager draws its own dropout masks, so these models are \
+                 checked against kiln's eager graph interpreter (same masks as every backend)"
+            )?;
+        }
         for e in self.errors() {
             writeln!(f, "error: {e}")?;
         }

@@ -1,7 +1,7 @@
 //! The measurement loop shared by inference and training (see the module docs of
 //! [`crate::bench`]).
 
-use super::accuracy::{compare, Accuracy, AccuracyStatus, Tolerance};
+use super::accuracy::{compare, Accuracy, AccuracyStatus, Reference, Tolerance};
 use super::registry::BackendEntry;
 use super::report::{ModelRow, Report, VariantResult};
 use super::stats::{median, welch_t_test};
@@ -43,6 +43,16 @@ pub(crate) trait Workload {
     /// Is every call's result comparable with eager's (inference), or only the result after
     /// the same number of calls from the same start (training)?
     fn compare_each_call(&self) -> bool;
+
+    /// Should eager run twice in performance mode too, to see whether it repeats itself?
+    fn check_eager_determinism(&self) -> bool {
+        false
+    }
+
+    /// A reference to use when eager does not repeat itself (dropout drawn by libtorch).
+    fn deterministic_reference(&self) -> Option<Result<Box<dyn Contender>>> {
+        None
+    }
 }
 
 /// Draws fresh float inputs like `base` (integer inputs are kept, as in the seeds).
@@ -267,7 +277,8 @@ fn bench_model_inner(
         reference = eager.run(&inputs, 1)?;
     }
     let mut eager_variation = false;
-    if opts.experiment == Experiment::Accuracy {
+    let mut reference_kind = Reference::Eager;
+    if opts.experiment == Experiment::Accuracy || workload.check_eager_determinism() {
         // Eager again, from the same start: does eager agree with itself?
         workload.reset()?;
         let mut again = workload.eager()?;
@@ -275,7 +286,26 @@ fn bench_model_inner(
         for _ in 0..warmup {
             second = again.run(&inputs, 1)?;
         }
-        eager_variation = !compare(&reference, &second, &tol).passed();
+        // Bit-for-bit (up to float noise): dropout noise can hide inside a loose tolerance.
+        let strict = Tolerance {
+            rtol: 1e-6,
+            atol: 0.0,
+            min_cosine: f64::INFINITY,
+        };
+        if !compare(&reference, &second, &strict).passed() {
+            match workload.deterministic_reference() {
+                Some(r) => {
+                    progress.detail(format!("{name}: reference run (kiln graph interpreter)"));
+                    workload.reset()?;
+                    let mut r = r?;
+                    for _ in 0..warmup {
+                        reference = r.run(&inputs, 1)?;
+                    }
+                    reference_kind = Reference::GraphInterpreter;
+                }
+                None => eager_variation = true,
+            }
+        }
     }
     progress.inc(1);
 
@@ -303,6 +333,7 @@ fn bench_model_inner(
                 }
             }
             if let Some(mut a) = acc {
+                a.reference = reference_kind;
                 if eager_variation {
                     a.status = AccuracyStatus::EagerVariation;
                 }

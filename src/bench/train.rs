@@ -1,12 +1,22 @@
-//! Training: one step = forward (train mode), the model's loss, backward, SGD update.
-//! Eager steps use libtorch autograd; compiled steps are kiln training steps, split or fused.
+//! Training: one step = forward in training mode, the model's loss (the seeds'
+//! `reduce_to_scalar_loss`, the mean of the output, unless the model says otherwise), backward,
+//! SGD update. Eager steps are [`EagerTrainStep`] (libtorch autograd); compiled steps are
+//! [`TrainStep`]s, split (forward, backward, optimizer executables) or fused (one).
+//!
+//! Timed runs of `n` iterations: eager syncs every step (libtorch runs them in order anyway);
+//! compiled runs `n - 1` asynchronous steps and one that reads the loss back.
 
 use super::registry::BackendEntry;
 use super::runner::{Contender, Workload};
 use super::{BenchOptions, TrainGraphs, Variant};
+use crate::backend::eager::EagerBackend;
 use crate::backend::{Backend, HostTensor};
 use crate::compile::TraceMode;
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::optim::Sgd;
+use crate::runtime::Stats;
+use crate::trace::Tensor;
+use crate::train::{EagerTrainStep, TrainMode, TrainStep};
 use crate::zoo::Model;
 use std::rc::Rc;
 
@@ -56,6 +66,29 @@ impl Workload for TrainWorkload {
     fn compare_each_call(&self) -> bool {
         false
     }
+
+    fn check_eager_determinism(&self) -> bool {
+        true
+    }
+
+    fn deterministic_reference(&self) -> Option<Result<Box<dyn Contender>>> {
+        // kiln's graph interpreter draws dropout masks from the same threefry key as every
+        // compiled backend, so it is a reference for models that libtorch cannot repeat.
+        Some(TrainFactory::compiled(
+            EagerBackend::new(),
+            self.model.clone(),
+            TrainGraphs::Split,
+            TraceMode::Once,
+            self.lr,
+        ))
+    }
+}
+
+fn loss_fn(model: Rc<dyn Model>) -> impl Fn(&[Tensor]) -> Result<Tensor> + 'static {
+    move |xs: &[Tensor]| {
+        let out = model.forward(xs, true)?;
+        model.loss(&out, xs)
+    }
 }
 
 /// Builds training contenders.
@@ -63,8 +96,9 @@ pub(crate) struct TrainFactory;
 
 impl TrainFactory {
     pub(crate) fn eager(model: Rc<dyn Model>, lr: f64) -> Result<Box<dyn Contender>> {
-        let _ = (model, lr);
-        Err(not_yet())
+        let store = model.store().clone();
+        let step = EagerTrainStep::new(&store, Sgd::new(), loss_fn(model))?.with_lr(lr);
+        Ok(Box::new(EagerTraining { step }))
     }
 
     pub(crate) fn compiled<B: Backend>(
@@ -74,11 +108,48 @@ impl TrainFactory {
         mode: TraceMode,
         lr: f64,
     ) -> Result<Box<dyn Contender>> {
-        let _ = (backend, model, graphs, mode, lr);
-        Err(not_yet())
+        let store = model.store().clone();
+        let step = TrainStep::new(backend, &store, Sgd::new(), loss_fn(model))?
+            .with_mode(match graphs {
+                TrainGraphs::Split => TrainMode::Split,
+                TrainGraphs::Fused => TrainMode::Fused,
+            })
+            .with_trace_mode(mode)
+            .with_lr(lr);
+        Ok(Box::new(CompiledTraining { step }))
     }
 }
 
-fn not_yet() -> Error {
-    Error::Invalid("training benchmarks need kiln::train, which this build does not have".into())
+struct EagerTraining {
+    step: EagerTrainStep,
+}
+
+impl Contender for EagerTraining {
+    fn run(&mut self, inputs: &[Tensor], iterations: usize) -> Result<Vec<f64>> {
+        let mut loss = f64::NAN;
+        for _ in 0..iterations {
+            loss = self.step.step(inputs)?;
+        }
+        Ok(vec![loss])
+    }
+}
+
+struct CompiledTraining<B: Backend> {
+    step: TrainStep<B>,
+}
+
+impl<B: Backend> Contender for CompiledTraining<B> {
+    fn run(&mut self, inputs: &[Tensor], iterations: usize) -> Result<Vec<f64>> {
+        if iterations == 0 {
+            return Ok(Vec::new());
+        }
+        for _ in 1..iterations {
+            self.step.step_async(inputs)?;
+        }
+        Ok(vec![self.step.step(inputs)?])
+    }
+
+    fn stats(&self) -> Option<Stats> {
+        Some(self.step.stats())
+    }
 }

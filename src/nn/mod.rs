@@ -1,9 +1,23 @@
 //! Neural-network building blocks over [`Tensor`]: the [`Module`] trait, [`ParamStore`],
-//! layers. Every module runs eagerly (the baseline) and traced (compiled) from the same code.
+//! layers, functional ops ([`functional`]) and safetensors weights I/O. Every module runs
+//! eagerly (the baseline) and traced (compiled) from the same code.
+//!
+//! Layers use PyTorch's parameter names, shapes and default initialisation, so a PyTorch
+//! `state_dict` saved as safetensors loads into a [`ParamStore`] unchanged
+//! ([`ParamStore::load_safetensors`]).
 
+mod attention;
+pub mod functional;
+mod layers;
 mod linear;
 mod store;
 
+pub use attention::{Activation, EncoderLayerConfig, MultiheadAttention, TransformerEncoderLayer};
+pub use layers::{
+    AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, Conv2d, Conv2dConfig, Dropout, Embedding, Flatten,
+    Func, Gelu, Hardsigmoid, Hardswish, Identity, LayerNorm, LeakyRelu, MaxPool2d, Relu6, Sigmoid,
+    Silu, Tanh,
+};
 pub use linear::{Linear, Relu, Sequential};
 pub use store::{Init, ParamStore, Path};
 

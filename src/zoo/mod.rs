@@ -1,7 +1,37 @@
-//! The model zoo (placeholder until the full zoo lands: only the seeds' `LinearModel`).
+//! The model zoo shared by the examples and the benchmark harness: torchvision's CNNs
+//! (identical architectures, parameter names and counts), a BERT-style encoder, a vision
+//! transformer (torchvision's `VisionTransformer` structure) and the seeds' `LinearModel`.
+//!
+//! Every model runs eagerly and traced from the same code, so it can be compiled with
+//! [`crate::compile()`]:
+//!
+//! ```no_run
+//! use kiln::backend::xla::XlaBackend;
+//! use kiln::{compile, zoo, Tensor};
+//! use std::sync::Arc;
+//!
+//! let model: Arc<dyn zoo::Model> = Arc::from(zoo::build("resnet18", 0)?);
+//! let inputs = model.example_inputs(4, 0)?;
+//! let eager = tch::no_grad(|| model.forward(&inputs, false))?;
+//! let m = model.clone();
+//! let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| Ok(vec![m.forward(xs, false)?]));
+//! let compiled = f.run(&inputs)?;
+//! # Ok::<(), kiln::Error>(())
+//! ```
+//!
+//! Default example inputs: batch 4 of `3x64x64` images (seeded normal values) for the image
+//! models, `i64` token ids `[batch, 64]` for `bert`, `randn(2, 10)`-shaped `[batch, 10]` for
+//! `linear`. Parameter names of the CNNs are torchvision's `state_dict` keys, so torchvision
+//! weights saved as safetensors load with [`crate::nn::ParamStore::load_safetensors`].
+
+mod blocks;
+mod cnn;
+mod mobile;
+mod resnet;
+mod transformer;
 
 use crate::error::{Error, Result};
-use crate::nn::{Linear, Module, ParamStore, Sequential};
+use crate::nn::{Module, ParamStore};
 use crate::trace::Tensor;
 
 /// A model of the zoo: parameters, example inputs, forward and a scalar training loss.
@@ -27,17 +57,101 @@ pub trait Model: Send {
 }
 
 /// The zoo's model names, in the benchmark's order.
-pub const NAMES: &[&str] = &["linear"];
+pub const NAMES: &[&str] = &[
+    "resnet18",
+    "resnet50",
+    "resnext50_32x4d",
+    "alexnet",
+    "mobilenet_v2",
+    "mnasnet1_0",
+    "squeezenet1_1",
+    "vgg16",
+    "bert",
+    "vit",
+    "linear",
+];
 
-/// Builds the zoo model `name` with parameters initialised from `seed`.
+/// Side of the zoo's square example images.
+pub const IMAGE_SIZE: usize = 64;
+/// Classes of the zoo's classifiers (ImageNet's).
+pub const NUM_CLASSES: usize = 1000;
+
+/// Builds the zoo model `name` with parameters initialised from `seed` (PyTorch's / torchvision's
+/// initialisation schemes; see each model's docs for deviations).
 pub fn build(name: &str, seed: u64) -> Result<Box<dyn Model>> {
     let store = ParamStore::with_seed(seed);
-    match name {
-        "linear" => Ok(Box::new(LinearModel::new(store)?)),
-        other => Err(Error::Invalid(format!(
-            "unknown zoo model {other:?}; known: {}",
-            NAMES.join(", ")
+    let root = store.root();
+    let image = |net: Box<dyn Module>, name: &'static str| -> Box<dyn Model> {
+        Box::new(ImageModel {
+            name,
+            store: store.clone(),
+            net,
+        })
+    };
+    Ok(match name {
+        "resnet18" => image(Box::new(resnet::resnet18(&root)?), "resnet18"),
+        "resnet50" => image(Box::new(resnet::resnet50(&root)?), "resnet50"),
+        "resnext50_32x4d" => image(Box::new(resnet::resnext50_32x4d(&root)?), "resnext50_32x4d"),
+        "alexnet" => image(Box::new(cnn::alexnet(&root)?), "alexnet"),
+        "vgg16" => image(Box::new(cnn::vgg16(&root)?), "vgg16"),
+        "squeezenet1_1" => image(Box::new(cnn::squeezenet1_1(&root)?), "squeezenet1_1"),
+        "mobilenet_v2" => image(Box::new(mobile::mobilenet_v2(&root)?), "mobilenet_v2"),
+        "mnasnet1_0" => image(Box::new(mobile::mnasnet1_0(&root)?), "mnasnet1_0"),
+        "vit" => image(Box::new(transformer::vit(&root)?), "vit"),
+        "bert" => Box::new(transformer::Bert::new(store.clone())?),
+        "linear" => Box::new(LinearModel::new(store.clone())?),
+        other => {
+            return Err(Error::Invalid(format!(
+                "unknown zoo model {other:?}; known: {}",
+                NAMES.join(", ")
+            )))
+        }
+    })
+}
+
+fn one_input<'a>(name: &str, inputs: &'a [Tensor]) -> Result<&'a Tensor> {
+    match inputs {
+        [x] => Ok(x),
+        _ => Err(Error::Invalid(format!(
+            "{name} takes one input, got {}",
+            inputs.len()
         ))),
+    }
+}
+
+/// An image classifier: one `[N, 3, H, W]` input, `[N, 1000]` logits.
+struct ImageModel {
+    name: &'static str,
+    store: ParamStore,
+    net: Box<dyn Module>,
+}
+
+impl Model for ImageModel {
+    fn name(&self) -> &str {
+        self.name
+    }
+
+    fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    fn example_inputs(&self, batch: usize, seed: u64) -> Result<Vec<Tensor>> {
+        Ok(vec![Tensor::randn(
+            &[batch, 3, IMAGE_SIZE, IMAGE_SIZE],
+            seed,
+        )?])
+    }
+
+    fn forward(&self, inputs: &[Tensor], train: bool) -> Result<Tensor> {
+        let x = one_input(self.name, inputs)?;
+        if x.rank() != 4 || x.dims()[1] != 3 {
+            return Err(Error::type_error(
+                self.name,
+                "expects [N, 3, H, W] images",
+                &[x.ty()],
+            ));
+        }
+        self.net.forward_t(x, train)
     }
 }
 
@@ -45,15 +159,15 @@ pub fn build(name: &str, seed: u64) -> Result<Box<dyn Model>> {
 /// `randn(2, 10)`.
 struct LinearModel {
     store: ParamStore,
-    net: Sequential,
+    net: crate::nn::Sequential,
 }
 
 impl LinearModel {
     fn new(store: ParamStore) -> Result<Self> {
         let p = store.root().sub("layers");
-        let net = Sequential::new()
-            .add(Linear::new(&p.sub(0), 10, 10, true)?)
-            .add(Linear::new(&p.sub(1), 10, 10, true)?);
+        let net = crate::nn::Sequential::new()
+            .add(crate::nn::Linear::new(&p.sub(0), 10, 10, true)?)
+            .add(crate::nn::Linear::new(&p.sub(1), 10, 10, true)?);
         Ok(LinearModel { store, net })
     }
 }
@@ -67,17 +181,12 @@ impl Model for LinearModel {
         &self.store
     }
 
+    /// `randn(batch, 10)`; the seeds use batch 2.
     fn example_inputs(&self, batch: usize, seed: u64) -> Result<Vec<Tensor>> {
         Ok(vec![Tensor::randn(&[batch, 10], seed)?])
     }
 
     fn forward(&self, inputs: &[Tensor], train: bool) -> Result<Tensor> {
-        match inputs {
-            [x] => self.net.forward_t(x, train),
-            _ => Err(Error::Invalid(format!(
-                "linear takes one input, got {}",
-                inputs.len()
-            ))),
-        }
+        self.net.forward_t(one_input("linear", inputs)?, train)
     }
 }

@@ -164,9 +164,16 @@ impl Client {
         let api = self.inner.api();
         const FORMAT: &str = "mlir";
         let mut program = sys::PJRT_Program::new();
+        // The plugin parses the text with MLIR, whose lexer (llvm::MemoryBuffer semantics)
+        // expects a NUL right after the last byte and reads past `code_size` without one: a
+        // non-terminated `&str` made it lex whatever followed in memory. Pass a terminated
+        // copy; `code_size` excludes the NUL.
+        let mut code = Vec::with_capacity(mlir_text.len() + 1);
+        code.extend_from_slice(mlir_text.as_bytes());
+        code.push(0u8);
         // The C API declares `code` as `char*` because other calls write it; compile only
         // reads it.
-        program.code = mlir_text.as_ptr().cast::<c_char>().cast_mut();
+        program.code = code.as_ptr().cast::<c_char>().cast_mut();
         program.code_size = mlir_text.len();
         program.format = FORMAT.as_ptr().cast::<c_char>();
         program.format_size = FORMAT.len();
@@ -175,8 +182,8 @@ impl Client {
         args.program = &program;
         args.compile_options = compile_options.as_ptr().cast::<c_char>();
         args.compile_options_size = compile_options.len();
-        // SAFETY: live client; `program`, the code, the format and the options all outlive
-        // the call (the plugin copies what it keeps).
+        // SAFETY: live client; `program`, the code (`code`, NUL-terminated), the format and the
+        // options all outlive the call (the plugin copies what it keeps).
         let err = unsafe { (api.fns.PJRT_Client_Compile)(&mut args) };
         api.check("PJRT_Client_Compile", err)?;
         LoadedExecutable::from_raw(&self.inner, args.executable, "PJRT_Client_Compile")
