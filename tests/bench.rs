@@ -228,6 +228,104 @@ fn own_models_through_the_library_and_panics_become_errors() {
     assert!(e.contains("panicked: model bug"), "{e}");
 }
 
+#[test]
+fn training_report_split_and_fused() {
+    let opts = BenchOptions {
+        training: true,
+        warmup: 2,
+        iterations_per_run: 2,
+        ..quick()
+    };
+    let report = run_benchmark(vec![zoo::build("linear", 0).unwrap()], &opts).unwrap();
+    let row = &report.rows[0];
+    assert!(row.error.is_none(), "{report}");
+    assert_eq!(row.results.len(), 4);
+    for r in &row.results {
+        assert!(r.error.is_none(), "{report}");
+        assert!(r.speedup.is_some_and(|s| s > 0.0));
+        assert!(r.accuracy.is_some_and(|a| a.passed()), "{report}");
+    }
+    let table = report.to_string();
+    for h in [
+        "XLA split (trace once)",
+        "XLA fused (trace once)",
+        "XLA split (trace everytime)",
+        "XLA fused (trace everytime)",
+        "compile s (fused every)",
+        "| geomean",
+    ] {
+        assert!(table.contains(h), "{h} missing from\n{table}");
+    }
+    // Fused runs one executable per step, split three; trace once compiles once.
+    let split_once = row.results[0].stats.as_ref().unwrap();
+    let fused_once = row.results[1].stats.as_ref().unwrap();
+    assert_eq!(split_once.traces, 1);
+    let steps = 2 + 3 * 2; // warm-up + repeat x iterations
+    assert_eq!(split_once.executions, 3 * steps);
+    assert_eq!(fused_once.executions, steps);
+    let rows = csv_rows(&report.to_csv().unwrap());
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1][0], "linear");
+}
+
+/// Trains differently eagerly and compiled: eagerly its output carries a zero gradient, so
+/// eager never updates the weight while compiled steps do. The loss moves too little to notice; the check
+/// of the parameter updates catches it.
+struct FrozenWhenEager {
+    store: kiln::nn::ParamStore,
+    w: Tensor,
+}
+
+impl zoo::Model for FrozenWhenEager {
+    fn name(&self) -> &str {
+        "frozen_when_eager"
+    }
+    fn store(&self) -> &kiln::nn::ParamStore {
+        &self.store
+    }
+    fn example_inputs(&self, batch: usize, seed: u64) -> kiln::Result<Vec<Tensor>> {
+        Ok(vec![Tensor::randn(&[batch, 4], seed)?])
+    }
+    fn forward(&self, inputs: &[Tensor], _train: bool) -> kiln::Result<Tensor> {
+        let y = (&inputs[0] * &self.w)?;
+        if y.is_traced() {
+            Ok(y)
+        } else {
+            // Same value, zero gradient.
+            &y.mul_scalar(0.0)? + &y.detach()?
+        }
+    }
+}
+
+#[test]
+fn training_check_catches_wrong_updates() {
+    let store = kiln::nn::ParamStore::with_seed(5);
+    let w = store
+        .root()
+        .param(
+            "w",
+            &[4],
+            kiln::nn::Init::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+        )
+        .unwrap();
+    let opts = BenchOptions {
+        training: true,
+        experiment: Experiment::Accuracy,
+        modes: vec![TraceMode::Once],
+        train_graphs: vec![kiln::bench::TrainGraphs::Fused],
+        lr: 1e-4,
+        ..quick()
+    };
+    let model: Box<dyn zoo::Model> = Box::new(FrozenWhenEager { store, w });
+    let report = run_benchmark(vec![model], &opts).unwrap();
+    let a = report.rows[0].results[0].accuracy.expect("checked");
+    assert!(!a.passed(), "{report}");
+    assert!(report.to_string().contains("FAIL"), "{report}");
+}
+
 /// A directory outside the repository, removed on drop.
 struct TempDir(PathBuf);
 

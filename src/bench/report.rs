@@ -1,6 +1,6 @@
 //! The report: rows per model, the seeds' table layout and CSV.
 
-use super::accuracy::{Accuracy, Reference, Tolerance};
+use super::accuracy::{Accuracy, Reference, Tolerance, UPDATE_TOLERANCE};
 use super::stats::{geomean, SAME_THRESHOLD};
 use super::{Experiment, Variant};
 use crate::error::{Error, Result};
@@ -92,6 +92,8 @@ pub struct Report {
     pub warmup: usize,
     /// Were inputs randomized per repetition?
     pub randomize_input: bool,
+    /// libtorch's intra-op threads during the run (eager's parallelism).
+    pub eager_threads: usize,
 }
 
 fn fmt_opt(v: Option<f64>, prec: usize) -> String {
@@ -118,7 +120,16 @@ fn accuracy_cell(r: &VariantResult) -> String {
         return "fail_to_run".into();
     }
     match &r.accuracy {
-        Some(a) => format!("{} (max|Δ| {:.1e})", a.status, a.max_abs_diff),
+        Some(a) => format!(
+            "{} (max|Δ| {:.1e}{})",
+            a.status,
+            a.max_abs_diff,
+            if a.reference == Reference::GraphInterpreter {
+                ", vs graph interp"
+            } else {
+                ""
+            }
+        ),
         None => String::new(),
     }
 }
@@ -432,7 +443,21 @@ impl std::fmt::Display for Report {
             )?,
             Experiment::Accuracy => writeln!(f, "{what}; accuracy against eager")?,
         }
-        writeln!(f, "accuracy: {}", self.tolerance.describe())?;
+        writeln!(
+            f,
+            "eager: libtorch, {} intra-op thread(s); compiled: {}",
+            self.eager_threads, self.backend
+        )?;
+        if self.training {
+            writeln!(
+                f,
+                "accuracy: loss after the warm-up steps {}; each parameter's update (sum, norm) {}",
+                self.tolerance.describe(),
+                UPDATE_TOLERANCE.describe()
+            )?;
+        } else {
+            writeln!(f, "accuracy: {}", self.tolerance.describe())?;
+        }
         let interp = self.rows.iter().any(|r| {
             r.results.iter().any(|v| {
                 v.accuracy

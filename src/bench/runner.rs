@@ -1,7 +1,7 @@
 //! The measurement loop shared by inference and training (see the module docs of
 //! [`crate::bench`]).
 
-use super::accuracy::{compare, Accuracy, AccuracyStatus, Reference, Tolerance};
+use super::accuracy::{compare, Accuracy, AccuracyStatus, Reference, Tolerance, UPDATE_TOLERANCE};
 use super::registry::BackendEntry;
 use super::report::{ModelRow, Report, VariantResult};
 use super::stats::{median, welch_t_test};
@@ -23,6 +23,12 @@ pub(crate) trait Contender {
     /// The runtime counters, for compiled contenders.
     fn stats(&self) -> Option<Stats> {
         None
+    }
+
+    /// Copies state kept on a device back to the model's store (training steps), so that the
+    /// workload can read the parameters.
+    fn sync_to_store(&mut self) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -52,6 +58,12 @@ pub(crate) trait Workload {
     /// A reference to use when eager does not repeat itself (dropout drawn by libtorch).
     fn deterministic_reference(&self) -> Option<Result<Box<dyn Contender>>> {
         None
+    }
+
+    /// A digest of what the warm-up changed in the model (training: each parameter's update),
+    /// compared between contenders; `None` when there is nothing to compare.
+    fn state_digest(&self) -> Result<Option<Vec<f64>>> {
+        Ok(None)
     }
 }
 
@@ -138,6 +150,9 @@ pub(crate) fn run(
     opts: &BenchOptions,
     backend: &BackendEntry,
 ) -> Result<Report> {
+    if let Some(t) = opts.threads {
+        tch::set_num_threads(i32::try_from(t).unwrap_or(i32::MAX));
+    }
     let variants = opts.variants();
     let total = units_per_model(opts, variants.len()) * sources.len() as u64;
     let progress = Progress::new(opts.progress, total);
@@ -176,6 +191,7 @@ pub(crate) fn run(
         repeat: opts.repeat,
         warmup: opts.warmup,
         randomize_input: opts.randomize_input,
+        eager_threads: usize::try_from(tch::get_num_threads()).unwrap_or(0),
     })
 }
 
@@ -276,6 +292,7 @@ fn bench_model_inner(
     for _ in 0..warmup {
         reference = eager.run(&inputs, 1)?;
     }
+    let mut reference_digest = workload.state_digest()?;
     let mut eager_variation = false;
     let mut reference_kind = Reference::Eager;
     if opts.experiment == Experiment::Accuracy || workload.check_eager_determinism() {
@@ -301,6 +318,8 @@ fn bench_model_inner(
                     for _ in 0..warmup {
                         reference = r.run(&inputs, 1)?;
                     }
+                    r.sync_to_store()?;
+                    reference_digest = workload.state_digest()?;
                     reference_kind = Reference::GraphInterpreter;
                 }
                 None => eager_variation = true,
@@ -326,6 +345,16 @@ fn bench_model_inner(
                 }
                 if workload.compare_each_call() || k + 1 == warmup {
                     let a = compare(&reference, &out, &tol);
+                    acc = Some(match acc {
+                        Some(prev) => prev.merge(a),
+                        None => a,
+                    });
+                }
+            }
+            if let Some(expected) = &reference_digest {
+                c.sync_to_store()?;
+                if let Some(got) = workload.state_digest()? {
+                    let a = compare(expected, &got, &UPDATE_TOLERANCE);
                     acc = Some(match acc {
                         Some(prev) => prev.merge(a),
                         None => a,

@@ -3,6 +3,10 @@
 //! SGD update. Eager steps are [`EagerTrainStep`] (libtorch autograd); compiled steps are
 //! [`TrainStep`]s, split (forward, backward, optimizer executables) or fused (one).
 //!
+//! The accuracy check compares, after the warm-up steps from the same initial parameters, the
+//! loss and each parameter's update (the sum and the norm of its change): a step whose update
+//! is wrong fails even when the loss barely moves.
+//!
 //! Timed runs of `n` iterations: eager syncs every step (libtorch runs them in order anyway);
 //! compiled runs `n - 1` asynchronous steps and one that reads the loss back.
 
@@ -69,6 +73,34 @@ impl Workload for TrainWorkload {
 
     fn check_eager_determinism(&self) -> bool {
         true
+    }
+
+    /// Per trainable parameter: the sum and the L2 norm of its change since the snapshot.
+    fn state_digest(&self) -> Result<Option<Vec<f64>>> {
+        let _guard = tch::no_grad_guard();
+        let mut out = Vec::new();
+        for p in self.model.store().trainable() {
+            let Some(name) = p.variable().map(|v| v.name.clone()) else {
+                continue;
+            };
+            let Some((_, initial)) = self.snapshot.iter().find(|(n, _)| *n == name) else {
+                continue;
+            };
+            let initial = Tensor::from_host(initial)?;
+            let delta = p
+                .as_tch()?
+                .f_sub(initial.as_tch()?)?
+                .f_to_kind(tch::Kind::Double)?;
+            out.push(delta.f_sum(tch::Kind::Double)?.f_double_value(&[])?);
+            out.push(
+                delta
+                    .f_square()?
+                    .f_sum(tch::Kind::Double)?
+                    .f_double_value(&[])?
+                    .sqrt(),
+            );
+        }
+        Ok(Some(out))
     }
 
     fn deterministic_reference(&self) -> Option<Result<Box<dyn Contender>>> {
@@ -151,5 +183,9 @@ impl<B: Backend> Contender for CompiledTraining<B> {
 
     fn stats(&self) -> Option<Stats> {
         Some(self.step.stats())
+    }
+
+    fn sync_to_store(&mut self) -> Result<()> {
+        self.step.sync_to_store()
     }
 }
