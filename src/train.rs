@@ -20,7 +20,7 @@ use crate::ir::{
 use crate::nn::{Init, ParamStore};
 use crate::optim::Optimizer;
 use crate::passes::{dedup_outputs, simplify, OutputSource};
-use crate::runtime::{Runtime, Stats};
+use crate::runtime::{ExecutableCache, Runtime, Stats};
 use crate::trace::{trace, Binding, Tensor, VarKind};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -148,6 +148,13 @@ impl<B: Backend> TrainStep<B> {
             last: None,
             steps: 0,
         })
+    }
+
+    /// Uses `cache` for executables (e.g. an on-disk [`ExecutableCache::with_dir`], or one shared
+    /// with other steps). Call before the first step.
+    pub fn with_cache(mut self, cache: ExecutableCache<B>) -> Self {
+        self.rt = Runtime::with_cache(self.rt.into_backend(), cache);
+        self
     }
 
     /// Split or fused (default [`TrainMode::Split`]).
