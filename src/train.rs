@@ -493,9 +493,13 @@ impl<B: Backend> TrainStep<B> {
                         aliases.push((i, 1 + k));
                     }
                 }
+                let param_nodes: Vec<(NodeId, Tensor)> = params
+                    .iter()
+                    .map(|(i, t)| (g.inputs()[*i].node, t.clone()))
+                    .collect();
                 self.add_updates(
                     &mut g,
-                    &params,
+                    &param_nodes,
                     &grads,
                     &mut inputs,
                     &mut outputs,
@@ -616,7 +620,7 @@ impl<B: Backend> TrainStep<B> {
                 let mut outputs = Vec::new();
                 let mut slots = Vec::new();
                 let mut aliases = Vec::new();
-                self.add_updates_on(
+                self.add_updates(
                     &mut g,
                     &opt_params,
                     &grads,
@@ -635,28 +639,10 @@ impl<B: Backend> TrainStep<B> {
         })
     }
 
-    /// Adds the optimizer update of every parameter (given as graph inputs at `params[i].0`)
-    /// to `g`, for the fused graph.
+    /// Adds the optimizer update of every parameter (`params`: its node in `g` and its
+    /// variable) to `g`, with the step count and learning rate as resident inputs.
     #[allow(clippy::too_many_arguments)]
     fn add_updates(
-        &mut self,
-        g: &mut Graph,
-        params: &[(usize, Tensor)],
-        grads: &[NodeId],
-        inputs: &mut Vec<Slot>,
-        outputs: &mut Vec<NodeId>,
-        slots: &mut Vec<Slot>,
-        aliases: &mut Vec<(usize, usize)>,
-    ) -> Result<()> {
-        let p: Vec<(NodeId, Tensor)> = params
-            .iter()
-            .map(|(i, t)| (g.inputs()[*i].node, t.clone()))
-            .collect();
-        self.add_updates_on(g, &p, grads, inputs, outputs, slots, aliases)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn add_updates_on(
         &mut self,
         g: &mut Graph,
         params: &[(NodeId, Tensor)],
