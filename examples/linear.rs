@@ -15,7 +15,7 @@ fn main() -> kiln::Result<()> {
     let model = Sequential::new()
         .add(Linear::new(&root.sub("layers.0"), 10, 10, true)?)
         .add(Linear::new(&root.sub("layers.1"), 10, 10, true)?);
-    let model = std::sync::Arc::new(model);
+    let model = std::rc::Rc::new(model);
     let x = Tensor::randn(&[2, 10], 42)?;
 
     let eager = tch::no_grad(|| model.forward(&x))?;
@@ -30,7 +30,7 @@ fn main() -> kiln::Result<()> {
     let m = model.clone();
     let mut f = compile(backend, move |xs: &[Tensor]| Ok(vec![m.forward(&xs[0])?]));
     let t0 = Instant::now();
-    let compiled = f.run(&[x.clone()])?.remove(0);
+    let compiled = f.run(std::slice::from_ref(&x))?.remove(0);
     let first_call = t0.elapsed();
 
     let e = eager.to_f64_vec()?;
@@ -77,7 +77,7 @@ fn main() -> kiln::Result<()> {
         mx * 1e6,
         me / mx
     );
-    println!("stats: {:?}", f.stats());
+    println!("stats: {}", f.stats());
     if max_diff > 1e-5 {
         return Err(kiln::Error::Invalid(format!(
             "eager and XLA differ by {max_diff}"

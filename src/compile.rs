@@ -4,10 +4,12 @@ use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::ir::{Fingerprint, Graph, InputKind, TensorType};
 use crate::passes::{dedup_outputs, simplify, OutputSource};
+use crate::runtime::{Runtime, Stats};
 use crate::trace::{trace, Binding, Tensor, Traced};
 use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// When a compiled function traces its Rust code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -18,33 +20,6 @@ pub enum TraceMode {
     /// Trace on every call, fingerprint the graph and look the executable up by fingerprint
     /// (the seeds' "trace every time", lazy-tensor style). Compiles once per distinct graph.
     EveryCall,
-}
-
-/// Counters of a compiled function. All counts are since creation.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Stats {
-    /// Times the Rust function was traced.
-    pub traces: u64,
-    /// Backend compilations.
-    pub compiles: u64,
-    /// Calls that found their executable in the in-memory cache.
-    pub cache_hits: u64,
-    /// Calls that had to compile.
-    pub cache_misses: u64,
-    /// Executable runs.
-    pub executions: u64,
-    /// Host→device transfers and bytes.
-    pub h2d_transfers: u64,
-    /// Bytes moved host→device.
-    pub h2d_bytes: u64,
-    /// Device→host transfers.
-    pub d2h_transfers: u64,
-    /// Bytes moved device→host.
-    pub d2h_bytes: u64,
-    /// Time spent tracing.
-    pub trace_time: Duration,
-    /// Time spent compiling.
-    pub compile_time: Duration,
 }
 
 /// A traced graph prepared for one input signature: simplified, unused variables dropped,
@@ -120,23 +95,21 @@ impl Program {
 }
 
 type UserFn = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>>;
+type Prepared<B> = (Rc<Program>, Arc<<B as Backend>::Executable>);
 
 /// A function compiled for a backend; see [`compile`].
 pub struct CompiledFn<B: Backend> {
-    backend: B,
+    rt: Runtime<B>,
     f: UserFn,
     mode: TraceMode,
-    programs: HashMap<Vec<TensorType>, Arc<Program>>,
-    executables: HashMap<Fingerprint, Arc<B::Executable>>,
-    /// Device copies of variables, by variable id.
-    resident: HashMap<u64, B::Buffer>,
-    /// Variables whose device copy is newer than the store.
-    dirty: HashMap<u64, Tensor>,
+    programs: HashMap<Vec<TensorType>, Prepared<B>>,
     rng: (u32, u32),
-    stats: Stats,
 }
 
 /// Compiles `f` for `backend`. Nothing happens until the first call.
+///
+/// The executable cache is configured by the environment (`KILN_CACHE_DIR` for an on-disk
+/// cache); use [`compile_with`] to share a cache between functions or threads.
 ///
 /// ```no_run
 /// use kiln::backend::xla::XlaBackend;
@@ -154,16 +127,22 @@ where
     B: Backend,
     F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'static,
 {
+    compile_with(Runtime::new(backend), f)
+}
+
+/// Like [`compile`], on a given runtime (e.g. one whose [`crate::runtime::ExecutableCache`] is
+/// shared).
+pub fn compile_with<B, F>(rt: Runtime<B>, f: F) -> CompiledFn<B>
+where
+    B: Backend,
+    F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'static,
+{
     CompiledFn {
-        backend,
+        rt,
         f: Box::new(f),
         mode: TraceMode::Once,
         programs: HashMap::new(),
-        executables: HashMap::new(),
-        resident: HashMap::new(),
-        dirty: HashMap::new(),
         rng: (0, 0),
-        stats: Stats::default(),
     }
 }
 
@@ -180,69 +159,42 @@ impl<B: Backend> CompiledFn<B> {
         self
     }
 
-    /// The counters.
-    pub fn stats(&self) -> &Stats {
-        &self.stats
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> Stats {
+        self.rt.stats()
+    }
+
+    /// The runtime (backend, cache, resident variables, metrics).
+    pub fn runtime(&self) -> &Runtime<B> {
+        &self.rt
     }
 
     /// The backend.
     pub fn backend(&self) -> &B {
-        &self.backend
+        self.rt.backend()
     }
 
     /// The prepared program for an input signature, if it has been traced.
     pub fn program(&self, signature: &[TensorType]) -> Option<&Program> {
-        self.programs.get(signature).map(|p| p.as_ref())
+        self.programs.get(signature).map(|p| p.0.as_ref())
     }
 
-    /// Number of distinct executables compiled.
-    pub fn num_executables(&self) -> usize {
-        self.executables.len()
-    }
-
-    fn prepare(&mut self, signature: &[TensorType]) -> Result<(Arc<Program>, Arc<B::Executable>)> {
+    fn prepare(&mut self, signature: &[TensorType]) -> Result<Prepared<B>> {
         if self.mode == TraceMode::Once {
-            if let Some(p) = self.programs.get(signature) {
-                let exe = self.executables[&p.fingerprint].clone();
-                self.stats.cache_hits += 1;
-                return Ok((p.clone(), exe));
+            if let Some((p, e)) = self.programs.get(signature) {
+                // A replay is a cache hit (the executable is not looked up again).
+                self.rt.metrics().cache_hit();
+                return Ok((p.clone(), e.clone()));
             }
         }
         let t0 = Instant::now();
         let traced = trace(signature, |xs| (self.f)(xs))?;
-        let program = Arc::new(Program::new(traced)?);
-        self.stats.traces += 1;
-        self.stats.trace_time += t0.elapsed();
-        let exe = match self.executables.get(&program.fingerprint) {
-            Some(e) => {
-                self.stats.cache_hits += 1;
-                e.clone()
-            }
-            None => {
-                self.stats.cache_misses += 1;
-                let t1 = Instant::now();
-                let e = Arc::new(self.backend.compile(&program.graph)?);
-                self.stats.compiles += 1;
-                self.stats.compile_time += t1.elapsed();
-                self.executables.insert(program.fingerprint, e.clone());
-                e
-            }
-        };
-        self.programs.insert(signature.to_vec(), program.clone());
+        let program = Rc::new(Program::new(traced)?);
+        self.rt.metrics().traced(t0.elapsed());
+        let exe = self.rt.executable(&program.graph, program.fingerprint)?;
+        self.programs
+            .insert(signature.to_vec(), (program.clone(), exe.clone()));
         Ok((program, exe))
-    }
-
-    fn upload(&mut self, h: &HostTensor) -> Result<B::Buffer> {
-        self.stats.h2d_transfers += 1;
-        self.stats.h2d_bytes += h.bytes().len() as u64;
-        self.backend.to_device(h)
-    }
-
-    fn download(&mut self, b: &B::Buffer) -> Result<HostTensor> {
-        let h = self.backend.to_host(b)?;
-        self.stats.d2h_transfers += 1;
-        self.stats.d2h_bytes += h.bytes().len() as u64;
-        Ok(h)
     }
 
     /// Runs the function on eager tensors; returns eager tensors.
@@ -255,25 +207,19 @@ impl<B: Backend> CompiledFn<B> {
         let (program, exe) = self.prepare(&signature)?;
         // Phase 1: make every variable resident, and build per-call buffers.
         let mut temps: Vec<Option<B::Buffer>> = Vec::with_capacity(program.bindings.len());
+        let mut key = None;
         for b in &program.bindings {
             match b {
-                Binding::Data(i) => {
-                    let h = inputs[*i].to_host()?;
-                    temps.push(Some(self.upload(&h)?));
-                }
+                Binding::Data(i) => temps.push(Some(self.rt.upload_tensor(&inputs[*i])?)),
                 Binding::Var(t) => {
-                    let id = var_id(t)?;
-                    if !self.resident.contains_key(&id) {
-                        let h = t.to_host()?;
-                        let buf = self.upload(&h)?;
-                        self.resident.insert(id, buf);
-                    }
+                    self.rt.ensure_var(t)?;
                     temps.push(None);
                 }
                 Binding::RngKey => {
-                    let key = HostTensor::from_slice(&[2], &[self.rng.0, self.rng.1])?;
+                    let k = HostTensor::from_slice(&[2], &[self.rng.0, self.rng.1])?;
                     self.rng.1 = self.rng.1.wrapping_add(1);
-                    temps.push(Some(self.upload(&key)?));
+                    temps.push(Some(self.rt.upload(&k)?));
+                    key = Some(k);
                 }
             }
         }
@@ -283,53 +229,42 @@ impl<B: Backend> CompiledFn<B> {
             for (b, tmp) in program.bindings.iter().zip(&temps) {
                 match (b, tmp) {
                     (_, Some(buf)) => args.push(buf),
-                    (Binding::Var(t), None) => args.push(&self.resident[&var_id(t)?]),
+                    (Binding::Var(t), None) => args.push(self.rt.var_buffer(t)?),
                     _ => return Err(Error::Invalid("internal: unbound input".into())),
                 }
             }
-            self.backend.execute(&exe, &args)?
+            self.rt.execute(&exe, &args)?
         };
-        self.stats.executions += 1;
         // Phase 3: read the function's outputs, then keep state updates on the device.
         let mut results = Vec::with_capacity(program.num_outputs);
         for src in &program.outputs[..program.num_outputs] {
             let t = match *src {
-                OutputSource::Output(j) => {
-                    let h = self.download(&outs[j])?;
-                    Tensor::from_host(&h)?
-                }
+                OutputSource::Output(j) => Tensor::from_host(&self.rt.download(&outs[j])?)?,
                 OutputSource::Input(i) => match &program.bindings[i] {
                     Binding::Data(d) => inputs[*d].clone(),
                     Binding::Var(t) => {
-                        let id = var_id(t)?;
-                        let h = self.backend.to_host(&self.resident[&id])?;
-                        Tensor::from_host(&h)?
+                        Tensor::from_host(&self.rt.download(self.rt.var_buffer(t)?)?)?
                     }
-                    Binding::RngKey => {
-                        let k = HostTensor::from_slice(
-                            &[2],
-                            &[self.rng.0, self.rng.1.wrapping_sub(1)],
-                        )?;
-                        Tensor::from_host(&k)?
-                    }
+                    Binding::RngKey => match &key {
+                        Some(k) => Tensor::from_host(k)?,
+                        None => return Err(Error::Invalid("internal: rng key not bound".into())),
+                    },
                 },
             };
             results.push(t);
         }
         let mut outs: Vec<Option<B::Buffer>> = outs.into_iter().map(Some).collect();
         for (var, k) in &program.state_updates {
-            let id = var_id(var)?;
             if let OutputSource::Output(j) = program.outputs[*k] {
                 let buf = match outs[j].take() {
                     Some(b) => b,
                     // Two variables assigned the same value: give the second its own copy.
                     None => {
-                        let h = self.backend.to_host(&self.resident[&id])?;
-                        self.backend.to_device(&h)?
+                        let h = self.rt.download(self.rt.var_buffer(var)?)?;
+                        self.rt.upload(&h)?
                     }
                 };
-                self.resident.insert(id, buf);
-                self.dirty.insert(id, var.clone());
+                self.rt.replace_var(var, buf)?;
             }
         }
         Ok(results)
@@ -337,28 +272,13 @@ impl<B: Backend> CompiledFn<B> {
 
     /// Copies variables updated on the device back into their [`crate::nn::ParamStore`].
     pub fn sync_to_store(&mut self) -> Result<()> {
-        let dirty: Vec<(u64, Tensor)> = self.dirty.drain().collect();
-        for (id, var) in dirty {
-            let h = self.backend.to_host(&self.resident[&id])?;
-            self.stats.d2h_transfers += 1;
-            self.stats.d2h_bytes += h.bytes().len() as u64;
-            var.assign(&Tensor::from_host(&h)?)?;
-        }
-        Ok(())
+        self.rt.sync_to_store()
     }
 
     /// Forgets the device copies of variables, so the next call uploads the store's current
     /// values (call after changing the store eagerly, e.g. loading weights). Pending device
     /// updates are synced to the store first.
     pub fn refresh_from_store(&mut self) -> Result<()> {
-        self.sync_to_store()?;
-        self.resident.clear();
-        Ok(())
+        self.rt.refresh_from_store()
     }
-}
-
-fn var_id(t: &Tensor) -> Result<u64> {
-    t.variable()
-        .map(|v| v.id)
-        .ok_or_else(|| Error::Invalid("internal: variable binding without a variable".into()))
 }

@@ -8,6 +8,8 @@
 //! - [`trace`]: [`Tensor`] runs eagerly on libtorch, or records into a graph inside [`trace()`].
 //! - [`ir`]: the typed graph ([`ir::Graph`]) over a closed op set ([`ir::Op`]).
 //! - [`passes`]: graph rewrites (CSE, DCE, output dedup).
+//! - [`autograd`]: VJP rules, the joint forward+backward graph, forward/backward partition.
+//! - [`optim`]: SGD, Adam, AdamW as optimizer graphs (and eager updates).
 //! - [`backend`]: the [`backend::Backend`] trait; `eager` (tch interpreter) and `xla` (PJRT).
 //! - [`compile()`]: the entry point: trace once per input signature, compile, replay.
 //! - [`nn`]: modules, functional ops ([`nn::functional`]), the [`nn::ParamStore`] and
@@ -34,16 +36,21 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod autograd;
 pub mod backend;
 pub mod compile;
 pub mod error;
 pub mod ir;
 pub mod nn;
+pub mod optim;
 pub mod passes;
+pub mod runtime;
 pub mod trace;
+pub mod train;
 pub mod zoo;
 
-pub use compile::{compile, CompiledFn, Program, Stats, TraceMode};
+pub use compile::{compile, compile_with, CompiledFn, Program, TraceMode};
 pub use error::{Error, Result};
 pub use ir::{DType, Shape, TensorType};
+pub use runtime::{Runtime, Stats};
 pub use trace::{trace, Tensor};

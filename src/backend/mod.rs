@@ -35,7 +35,7 @@ pub trait Backend: Send + Sync + 'static {
     /// A tensor resident on the backend's device.
     type Buffer: Send;
     /// A compiled graph.
-    type Executable: Send + Sync;
+    type Executable: Send + Sync + 'static;
 
     /// A short name (`"eager"`, `"xla"`), used in messages and tables.
     fn name(&self) -> &str;
@@ -63,6 +63,30 @@ pub trait Backend: Send + Sync + 'static {
     fn sync(&self, b: &Self::Buffer) -> Result<()> {
         let _ = b;
         Ok(())
+    }
+
+    /// Has `b` been consumed by an execution that donated it (its memory now belongs to an
+    /// output)? Backends without donation return `false`.
+    fn is_donated(&self, b: &Self::Buffer) -> Result<bool> {
+        let _ = b;
+        Ok(false)
+    }
+
+    /// Serializes a compiled executable for an on-disk cache; `None` if this backend cannot.
+    fn serialize_executable(&self, exe: &Self::Executable) -> Result<Option<Vec<u8>>> {
+        let _ = exe;
+        Ok(None)
+    }
+
+    /// Loads an executable that [`Backend::serialize_executable`] produced for `graph`;
+    /// `None` if this backend cannot.
+    fn deserialize_executable(
+        &self,
+        graph: &Graph,
+        bytes: &[u8],
+    ) -> Result<Option<Self::Executable>> {
+        let _ = (graph, bytes);
+        Ok(None)
     }
 
     /// Identifies everything besides the graph that determines compiled code (platform,

@@ -44,7 +44,8 @@ pub enum UnaryOp {
     Floor,
     /// round toward +inf
     Ceil,
-    /// -1, 0 or 1 (0 for ±0, NaN for NaN)
+    /// -1, 0 or 1; for floats ±0 and NaN are returned unchanged (StableHLO: `sign(-0.0)` is
+    /// `-0.0`)
     Sign,
     /// logical not (bool) or bitwise not (integers)
     Not,
@@ -87,19 +88,21 @@ impl UnaryOp {
 pub enum BinaryOp {
     /// `a + b` (integers wrap)
     Add,
-    /// `a - b`
+    /// `a - b` (integers wrap)
     Sub,
     /// `a * b` (integers wrap)
     Mul,
-    /// `a / b` (integers truncate toward zero)
+    /// `a / b`. Integers truncate toward zero, and division is total as in XLA: `x / 0` is -1
+    /// (all bits set, `u32::MAX` for `U32`) and `MIN / -1` is `MIN`.
     Div,
-    /// remainder with the sign of the dividend (C `fmod`)
+    /// Remainder with the sign of the dividend (C `fmod`). Integers: `x % 0` is `x` and
+    /// `MIN % -1` is 0 (as in XLA).
     Rem,
     /// `a ^ b` (floats)
     Pow,
-    /// elementwise maximum (NaN propagates)
+    /// Elementwise maximum; NaN propagates (if either operand is NaN the result is NaN).
     Max,
-    /// elementwise minimum (NaN propagates)
+    /// Elementwise minimum; NaN propagates.
     Min,
     /// logical/bitwise and
     And,
@@ -107,9 +110,11 @@ pub enum BinaryOp {
     Or,
     /// logical/bitwise xor
     Xor,
-    /// `a << b` (integers)
+    /// `a << b` (integers). A shift amount that is `>=` the bit width when read as unsigned
+    /// (so also a negative one) gives 0 (StableHLO).
     ShiftLeft,
-    /// logical `a >> b` (integers; zeros shifted in)
+    /// Logical `a >> b` (integers, signed ones too: zeros are shifted in). Amounts `>=` the bit
+    /// width (as unsigned) give 0.
     ShiftRightLogical,
 }
 
@@ -149,7 +154,8 @@ impl BinaryOp {
     }
 }
 
-/// Elementwise comparisons; the result is `Bool`.
+/// Elementwise comparisons; the result is `Bool`. Floats compare as IEEE 754 (every
+/// comparison with NaN is false except `Ne`), `U32` compares unsigned, `Bool` as 0 < 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CompareOp {
     /// `==`
@@ -230,7 +236,11 @@ pub struct ConvAttrs {
     pub rhs_dilation: Vec<usize>,
     /// Feature groups (`groups` in PyTorch; `C` for depthwise).
     pub feature_groups: usize,
-    /// Batch groups (used by the weight gradient of grouped convolutions).
+    /// Batch groups (used by the weight gradient of grouped convolutions), as StableHLO's
+    /// `batch_group_count`: the input batch is split into `batch_groups` contiguous blocks and
+    /// the output features into as many blocks; block `g` of the batch is convolved with block
+    /// `g` of the kernel's output features, and the results are concatenated along the
+    /// features. The result batch is `N / batch_groups`.
     pub batch_groups: usize,
 }
 
@@ -364,7 +374,10 @@ pub enum Op {
     Compare(CompareOp),
     /// `select(pred, on_true, on_false)`; `pred` is `Bool` of the same shape.
     Select,
-    /// Element type conversion (float→int truncates toward zero; to `Bool` is `!= 0`).
+    /// Element type conversion, as StableHLO/XLA define it: float→integer truncates toward zero
+    /// and saturates at the target's range (NaN gives 0); integer→integer wraps (two's
+    /// complement); to `Bool` is `!= 0` (NaN gives true); from `Bool` is 0 or 1; float→float
+    /// rounds to nearest even.
     Convert(DType),
     /// `broadcast_in_dim`: operand dim `i` becomes result dim `dims[i]` (size equal or 1).
     Broadcast {
@@ -405,14 +418,17 @@ pub enum Op {
     Reverse(Vec<usize>),
     /// Generalized matrix product.
     DotGeneral(DotDims),
-    /// Reduction over `axes` (removed from the shape).
+    /// Reduction over `axes` (removed from the shape). Integer sums wrap; float max/min
+    /// propagate NaN; reducing zero elements gives the identity (0, -inf/+inf, or the integer
+    /// type's minimum/maximum).
     Reduce {
         /// Combining function.
         kind: ReduceKind,
         /// Reduced dims, strictly increasing.
         axes: Vec<usize>,
     },
-    /// Windowed reduction over the spatial dims of `[N, C, *spatial]` (pooling).
+    /// Windowed reduction over the spatial dims of `[N, C, *spatial]` (pooling). Padding holds
+    /// the reduction's identity, so a window of pure padding gives the identity.
     ReduceWindow {
         /// Combining function.
         kind: ReduceKind,
@@ -420,8 +436,12 @@ pub enum Op {
         attrs: WindowAttrs,
     },
     /// Max pooling's gradient: operands `(operand, source)`; each `source` element is added at
-    /// the position of its window's maximum (first maximum on ties) in a zero tensor shaped like
-    /// `operand`.
+    /// the position of its window's maximum in a zero tensor shaped like `operand`.
+    ///
+    /// The selection is deterministic (StableHLO leaves it to the implementation): padding is
+    /// never selected (a window of pure padding drops its source element); among the real
+    /// elements a NaN beats any number, then the larger value wins, and ties go to the element
+    /// first in row-major order. Without NaNs this is "first maximum", as in PyTorch.
     SelectAndScatter(WindowAttrs),
     /// N-d convolution (cross-correlation, as PyTorch and StableHLO define it).
     Conv(ConvAttrs),
@@ -432,7 +452,8 @@ pub enum Op {
         axis: usize,
     },
     /// Inverse of `Take`: operands `(base, indices, updates)`; adds each slice of `updates` into
-    /// `base` at its index along `axis` (duplicates accumulate). Result type is `base`'s.
+    /// `base` at its index along `axis` (duplicates accumulate, integers wrap). Indices are
+    /// clamped into range, as in `Take`. Result type is `base`'s.
     ScatterAdd {
         /// The indexed dimension.
         axis: usize,
@@ -682,7 +703,7 @@ impl Op {
             }
             Op::DotGeneral(d) => {
                 arity(2)?;
-                infer_dot(d, operands[0], operands[1]).or_else(|m| err(m))
+                infer_dot(d, operands[0], operands[1]).or_else(&err)
             }
             Op::Reduce { axes, .. } => {
                 arity(1)?;
@@ -707,12 +728,12 @@ impl Op {
             Op::ReduceWindow { attrs, .. } => {
                 arity(1)?;
                 let a = operands[0];
-                infer_window(attrs, a).or_else(|m| err(m))
+                infer_window(attrs, a).or_else(&err)
             }
             Op::SelectAndScatter(attrs) => {
                 arity(2)?;
                 let (a, s) = (operands[0], operands[1]);
-                let out = infer_window(attrs, a).or_else(|m| err(m))?;
+                let out = infer_window(attrs, a).or_else(&err)?;
                 if *s != out {
                     return err(format!("source must be {out} (the pooled shape)"));
                 }
@@ -720,7 +741,7 @@ impl Op {
             }
             Op::Conv(c) => {
                 arity(2)?;
-                infer_conv(c, operands[0], operands[1]).or_else(|m| err(m))
+                infer_conv(c, operands[0], operands[1]).or_else(&err)
             }
             Op::Take { axis } => {
                 arity(2)?;

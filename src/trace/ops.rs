@@ -626,13 +626,26 @@ impl Tensor {
                 &[&self.ty, &other.ty],
             ));
         }
+        // Checked up front so that a mismatch names `matmul` in both modes (traced, it would
+        // otherwise surface from the `dot_general` the product is built from).
+        let out = matmul_type(&self.ty, &other.ty)?;
         if !is_tracing() {
             if let (Repr::Eager { t: a, .. }, Repr::Eager { t: b, .. }) = (&self.repr, &other.repr)
             {
-                let out = matmul_type(&self.ty, &other.ty)?;
                 let t = a.f_matmul(b)?;
                 return Ok(Tensor::from_tch_typed(t, out.dtype));
             }
+        }
+        if ra == 1 && rb == 1 {
+            // Vector dot product: a scalar.
+            return self.dot_general(
+                other,
+                DotDims {
+                    lhs_contract: vec![0],
+                    rhs_contract: vec![0],
+                    ..Default::default()
+                },
+            );
         }
         if ra == 1 {
             return self.unsqueeze(0)?.matmul(other)?.squeeze(-2);

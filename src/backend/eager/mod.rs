@@ -129,7 +129,6 @@ pub fn eval_op(
             high,
             interior,
             &arg_types[0].shape.to_i64(),
-            arg_types[0].dtype,
         )?,
         Op::Reverse(dims) => {
             let d: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
@@ -141,20 +140,12 @@ pub fn eval_op(
                 args[0].shallow_clone()
             } else {
                 let a: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
-                match kind {
-                    ReduceKind::Sum => {
-                        let k = kind_of(out.dtype);
-                        wrap_u32(
-                            args[0].f_sum_dim_intlist(a.as_slice(), false, k)?,
-                            out.dtype,
-                        )?
-                    }
-                    ReduceKind::Max => args[0].f_amax(a.as_slice(), false)?,
-                    ReduceKind::Min => args[0].f_amin(a.as_slice(), false)?,
-                }
+                reduce(*kind, args[0], &a, out)?
             }
         }
-        Op::ReduceWindow { kind, attrs } => reduce_window(*kind, attrs, args[0], arg_types[0])?,
+        Op::ReduceWindow { kind, attrs } => {
+            reduce_window(*kind, attrs, args[0], arg_types[0], out)?
+        }
         Op::SelectAndScatter(attrs) => {
             select_and_scatter(attrs, args[0], args[1], arg_types[0], arg_types[1])?
         }
@@ -180,7 +171,7 @@ pub fn eval_op(
             flat.push(arg_types[1].shape.numel() as i64);
             flat.extend_from_slice(&ty.shape.to_i64()[axis + 1..]);
             let upd = args[2].f_reshape(&flat)?;
-            base.f_index_add(*axis as i64, &idx, &upd)?
+            wrap_u32(base.f_index_add(*axis as i64, &idx, &upd)?, ty.dtype)?
         }
     };
     Ok(t)
@@ -202,6 +193,10 @@ fn unary(u: UnaryOp, a: &Tensor, d: DType) -> Result<Tensor> {
         UnaryOp::Cos => a.f_cos()?,
         UnaryOp::Floor => a.f_floor()?,
         UnaryOp::Ceil => a.f_ceil()?,
+        // StableHLO: ±0 and NaN are returned unchanged (libtorch gives +0 for both).
+        UnaryOp::Sign if d.is_float() => a
+            .f_sign()?
+            .f_where_self(&a.f_ne(0.0)?.f_logical_and(&a.f_eq_tensor(a)?)?, a)?,
         UnaryOp::Sign => a.f_sign()?,
         UnaryOp::Not if d == DType::Bool => a.f_logical_not()?,
         UnaryOp::Not => wrap_u32(a.f_bitwise_not()?, d)?,
@@ -215,8 +210,8 @@ fn binary(b: BinaryOp, x: &Tensor, y: &Tensor, d: DType) -> Result<Tensor> {
         BinaryOp::Sub => wrap_u32(x.f_sub(y)?, d)?,
         BinaryOp::Mul => wrap_u32(x.f_mul(y)?, d)?,
         BinaryOp::Div if d.is_float() => x.f_div(y)?,
-        BinaryOp::Div => x.f_div_tensor_mode(y, "trunc")?,
-        BinaryOp::Rem => x.f_fmod_tensor(y)?,
+        BinaryOp::Rem if d.is_float() => x.f_fmod_tensor(y)?,
+        BinaryOp::Div | BinaryOp::Rem => int_div_rem(b, x, y, d)?,
         BinaryOp::Pow => x.f_pow(y)?,
         BinaryOp::Max => x.f_maximum(y)?,
         BinaryOp::Min => x.f_minimum(y)?,
@@ -226,56 +221,108 @@ fn binary(b: BinaryOp, x: &Tensor, y: &Tensor, d: DType) -> Result<Tensor> {
         BinaryOp::And => x.f_bitwise_and_tensor(y)?,
         BinaryOp::Or => x.f_bitwise_or_tensor(y)?,
         BinaryOp::Xor => x.f_bitwise_xor_tensor(y)?,
-        BinaryOp::ShiftLeft => {
-            // StableHLO: shifting by >= the bit width gives 0.
-            let bits = (d.size_in_bytes() * 8) as i64;
-            let shifted = wrap_u32(x.f_bitwise_left_shift(y)?, d)?;
-            shifted.f_where_self(&y.f_lt(bits)?, &x.f_zeros_like()?)?
-        }
-        BinaryOp::ShiftRightLogical => {
-            let bits = (d.size_in_bytes() * 8) as i64;
-            let shifted = match d {
-                // Values are non-negative in the Int64 carrier: arithmetic == logical.
-                DType::U32 => x.f_bitwise_right_shift(y)?,
-                DType::I32 => x
-                    .f_to_kind(Kind::Int64)?
-                    .f_bitwise_and(U32_MASK)?
-                    .f_bitwise_right_shift(&y.f_to_kind(Kind::Int64)?)?
-                    .f_to_kind(Kind::Int)?,
-                _ => {
-                    // i64: shift, then clear the sign-extended high bits.
-                    let s = x.f_bitwise_right_shift(y)?;
-                    let ones = x.f_ones_like()?.f_mul_scalar(-1)?;
-                    let mask = ones
-                        .f_bitwise_left_shift(&(scalar_like(bits as f64, d)? - y))?
-                        .f_bitwise_not()?;
-                    let mask = mask.f_where_self(&y.f_gt(0)?, &ones)?;
-                    s.f_bitwise_and_tensor(&mask)?
-                }
-            };
-            shifted.f_where_self(&y.f_lt(bits)?, &x.f_zeros_like()?)?
-        }
+        BinaryOp::ShiftLeft | BinaryOp::ShiftRightLogical => shift(b, x, y, d)?,
     })
 }
 
+/// Integer division and remainder with StableHLO/XLA's total semantics: truncation toward
+/// zero, remainder with the dividend's sign, `x / 0 = -1` (all ones), `x % 0 = x`,
+/// `MIN / -1 = MIN` and `MIN % -1 = 0`. libtorch raises on a zero divisor and traps on
+/// `MIN / -1`, so those divisors are replaced by 1 before dividing and the results patched.
+fn int_div_rem(b: BinaryOp, x: &Tensor, y: &Tensor, d: DType) -> Result<Tensor> {
+    let zero = y.f_eq(0)?;
+    let bad = match d {
+        DType::I32 => zero.f_logical_or(&x.f_eq(i32::MIN as i64)?.f_logical_and(&y.f_eq(-1)?)?)?,
+        DType::I64 => zero.f_logical_or(&x.f_eq(i64::MIN)?.f_logical_and(&y.f_eq(-1)?)?)?,
+        // U32 values are non-negative in their Int64 carrier: no overflow.
+        _ => zero.shallow_clone(),
+    };
+    let safe = y.f_ones_like()?.f_where_self(&bad, y)?;
+    Ok(if b == BinaryOp::Div {
+        let all_ones: i64 = if d == DType::U32 { U32_MASK } else { -1 };
+        x.f_full_like(all_ones)?
+            .f_where_self(&zero, &x.f_div_tensor_mode(&safe, "trunc")?)?
+    } else {
+        x.f_where_self(&zero, &x.f_fmod_tensor(&safe)?)?
+    })
+}
+
+/// Shifts with StableHLO's semantics: an amount outside `[0, bit width)` (as unsigned) gives 0;
+/// `ShiftRightLogical` shifts zeros in for signed types too.
+fn shift(b: BinaryOp, x: &Tensor, y: &Tensor, d: DType) -> Result<Tensor> {
+    let bits = (d.size_in_bytes() * 8) as i64;
+    let valid = y.f_ge(0)?.f_logical_and(&y.f_lt(bits)?)?;
+    // In-range amounts keep libtorch's shifts well defined; the rest are zeroed below.
+    let s = y.f_clamp(0, bits - 1)?;
+    let shifted = match (b, d) {
+        (BinaryOp::ShiftLeft, _) => wrap_u32(x.f_bitwise_left_shift(&s)?, d)?,
+        // U32 values are non-negative in their Int64 carrier: arithmetic == logical.
+        (_, DType::U32) => x.f_bitwise_right_shift(&s)?,
+        (_, DType::I32) => x
+            .f_to_kind(Kind::Int64)?
+            .f_bitwise_and(U32_MASK)?
+            .f_bitwise_right_shift(&s.f_to_kind(Kind::Int64)?)?
+            .f_to_kind(Kind::Int)?,
+        _ => {
+            // i64: arithmetic shift, then clear the sign-extended top `s` bits with the mask
+            // !((-1 << (63 - s)) << 1), which is all ones for s = 0 and never shifts by 64.
+            let ones = x.f_full_like(-1i64)?;
+            let mask = ones
+                .f_bitwise_left_shift(&s.f_neg()?.f_add_scalar(63)?)?
+                .f_bitwise_left_shift_tensor_scalar(1)?
+                .f_bitwise_not()?;
+            x.f_bitwise_right_shift(&s)?.f_bitwise_and_tensor(&mask)?
+        }
+    };
+    Ok(shifted.f_where_self(&valid, &x.f_zeros_like()?)?)
+}
+
+/// Element type conversion with StableHLO/XLA's semantics: float to integer truncates toward
+/// zero and saturates at the target's range (NaN gives 0); integer to integer wraps; to `Bool`
+/// is `!= 0` (NaN is true); between floats rounds to nearest.
 fn convert(a: &Tensor, from: DType, to: DType) -> Result<Tensor> {
     if from == to {
         return Ok(a.shallow_clone());
     }
+    if from.is_float() && to.is_int() {
+        // libtorch's float->int casts are undefined out of range: saturate explicitly.
+        let (lo, hi): (f64, f64) = match to {
+            DType::U32 => (0.0, u32::MAX as f64),
+            DType::I32 => (i32::MIN as f64, i32::MAX as f64),
+            _ => (i64::MIN as f64, i64::MAX as f64),
+        };
+        let x = a.f_to_kind(Kind::Double)?;
+        // `hi` may round up (i64::MAX as f64 == 2^63): treat `>= hi` as saturated.
+        let high = x.f_ge(hi)?;
+        let low = x.f_le(lo)?;
+        let nan = x.f_isnan()?;
+        let out = high.f_logical_or(&low)?.f_logical_or(&nan)?;
+        let safe = x.f_zeros_like()?.f_where_self(&out, &x)?.f_trunc()?;
+        let max = match to {
+            DType::U32 => U32_MASK,
+            DType::I32 => i32::MAX as i64,
+            _ => i64::MAX,
+        };
+        let min = match to {
+            DType::U32 => 0,
+            DType::I32 => i32::MIN as i64,
+            _ => i64::MIN,
+        };
+        let k = kind_of(to);
+        let r = safe.f_to_kind(k)?;
+        let r = r.f_full_like(max)?.f_where_self(&high, &r)?;
+        return Ok(r.f_full_like(min)?.f_where_self(&low, &r)?);
+    }
     Ok(match to {
         DType::Bool => a.f_ne(0)?,
-        DType::U32 => {
-            let i = if from.is_float() {
-                a.f_trunc()?.f_to_kind(Kind::Int64)?
-            } else {
-                a.f_to_kind(Kind::Int64)?
-            };
-            i.f_bitwise_and(U32_MASK)?
-        }
+        DType::U32 => a.f_to_kind(Kind::Int64)?.f_bitwise_and(U32_MASK)?,
         _ => a.f_to_kind(kind_of(to))?,
     })
 }
 
+/// StableHLO `pad`: interior padding, then edge padding (negative edges crop). Exact for every
+/// dtype: the result starts as the padding value expanded (never converted through `f64`) and
+/// the operand elements that survive are copied into a strided view of it.
 fn pad(
     x: &Tensor,
     value: &Tensor,
@@ -283,35 +330,50 @@ fn pad(
     high: &[i64],
     interior: &[usize],
     dims: &[i64],
-    d: DType,
 ) -> Result<Tensor> {
-    let v = value.f_double_value(&[])?;
-    let mut t = x.shallow_clone();
-    if interior.iter().any(|&i| i > 0) {
-        let sizes: Vec<i64> = dims
-            .iter()
-            .zip(interior)
-            .map(|(&n, &i)| if n == 0 { 0 } else { n + (n - 1) * i as i64 })
-            .collect();
-        let out = Tensor::f_full(&sizes, v, (kind_of(d), tch::Device::Cpu))?;
-        let mut view = out.shallow_clone();
-        for (k, &i) in interior.iter().enumerate() {
-            view = view.f_slice(k as i64, Some(0), Some(sizes[k]), i as i64 + 1)?;
-        }
-        view.f_copy_(&t)?;
-        t = out;
+    let r = dims.len();
+    let mut out_sizes = Vec::with_capacity(r);
+    for k in 0..r {
+        let n = dims[k];
+        let inner = if n == 0 {
+            0
+        } else {
+            n + (n - 1) * interior[k] as i64
+        };
+        out_sizes.push(inner + low[k] + high[k]);
     }
-    if low.iter().chain(high).any(|&p| p != 0) {
-        // constant_pad_nd wants (last-dim low, last-dim high, previous dim low, ...); negative
-        // entries crop.
-        let mut pads = Vec::with_capacity(2 * low.len());
-        for k in (0..low.len()).rev() {
-            pads.push(low[k]);
-            pads.push(high[k]);
+    let out = value.f_expand(&out_sizes, false)?.f_contiguous()?;
+    let mut src = x.shallow_clone();
+    let mut dst = out.shallow_clone();
+    for k in 0..r {
+        let step = interior[k] as i64 + 1;
+        // Operand element j lands at low + j * step; keep those inside [0, out).
+        let first = if low[k] >= 0 {
+            0
+        } else {
+            (-low[k] + step - 1) / step
+        };
+        let last_pos = out_sizes[k] - 1 - low[k];
+        let end = if last_pos < 0 {
+            0
+        } else {
+            (last_pos / step + 1).min(dims[k])
+        };
+        let count = end - first;
+        if count <= 0 {
+            return Ok(out);
         }
-        t = t.f_pad(&pads, "constant", Some(v))?;
+        src = src.f_narrow(k as i64, first, count)?;
+        let start = low[k] + first * step;
+        dst = dst.f_slice(
+            k as i64,
+            Some(start),
+            Some(start + (count - 1) * step + 1),
+            step,
+        )?;
     }
-    Ok(t)
+    dst.f_copy_(&src)?;
+    Ok(out)
 }
 
 fn dot_general(
@@ -364,17 +426,16 @@ fn dot_general(
     wrap_u32(r.f_reshape(out.shape.to_i64())?, out.dtype)
 }
 
-/// Pads the spatial dims of `[N, C, *spatial]` with `value` and unfolds windows: the result is
-/// `[N, C, *out_spatial, *window]`.
-fn windows(x: &Tensor, w: &WindowAttrs, value: f64) -> Result<Tensor> {
+/// Pads the spatial dims of `[N, C, *spatial]` with the scalar `value` and unfolds windows:
+/// the result is `[N, C, *out_spatial, *window]`.
+fn windows(x: &Tensor, w: &WindowAttrs, value: &Tensor) -> Result<Tensor> {
     let n = w.window.len();
-    let mut pads = Vec::with_capacity(2 * n);
-    for k in (0..n).rev() {
-        pads.push(w.padding[k].0 as i64);
-        pads.push(w.padding[k].1 as i64);
-    }
-    let mut t = if pads.iter().any(|&p| p != 0) {
-        x.f_pad(&pads, "constant", Some(value))?
+    let mut t = if w.padding.iter().any(|&(l, h)| l != 0 || h != 0) {
+        let mut low = vec![0i64; 2];
+        let mut high = vec![0i64; 2];
+        low.extend(w.padding.iter().map(|p| p.0 as i64));
+        high.extend(w.padding.iter().map(|p| p.1 as i64));
+        pad(x, value, &low, &high, &vec![0; n + 2], &x.size())?
     } else {
         x.shallow_clone()
     };
@@ -384,35 +445,58 @@ fn windows(x: &Tensor, w: &WindowAttrs, value: f64) -> Result<Tensor> {
     Ok(t)
 }
 
-fn identity(kind: ReduceKind, d: DType) -> f64 {
-    match (kind, d.is_float()) {
-        (ReduceKind::Sum, _) => 0.0,
-        (ReduceKind::Max, true) => f64::NEG_INFINITY,
-        (ReduceKind::Min, true) => f64::INFINITY,
-        (ReduceKind::Max, false) => match d {
-            DType::I32 => i32::MIN as f64,
-            DType::I64 => i64::MIN as f64,
-            _ => 0.0,
-        },
-        (ReduceKind::Min, false) => match d {
-            DType::I32 => i32::MAX as f64,
-            DType::I64 => i64::MAX as f64,
-            _ => u32::MAX as f64,
-        },
-    }
+/// The identity of a reduction as a scalar tensor of `d`'s kind, exact for every dtype
+/// (`i64::MAX` does not survive a trip through `f64`).
+fn identity(kind: ReduceKind, d: DType) -> Result<Tensor> {
+    let t = match (kind, d) {
+        (ReduceKind::Sum, _) => return scalar_like(0.0, d),
+        (ReduceKind::Max, DType::F32 | DType::F64) => return scalar_like(f64::NEG_INFINITY, d),
+        (ReduceKind::Min, DType::F32 | DType::F64) => return scalar_like(f64::INFINITY, d),
+        (ReduceKind::Max, DType::I32) => Tensor::f_from_slice(&[i32::MIN])?,
+        (ReduceKind::Min, DType::I32) => Tensor::f_from_slice(&[i32::MAX])?,
+        (ReduceKind::Max, DType::I64) => Tensor::f_from_slice(&[i64::MIN])?,
+        (ReduceKind::Min, DType::I64) => Tensor::f_from_slice(&[i64::MAX])?,
+        (ReduceKind::Max, _) => Tensor::f_from_slice(&[0i64])?,
+        (ReduceKind::Min, _) => Tensor::f_from_slice(&[U32_MASK])?,
+    };
+    Ok(t.f_reshape([0i64; 0])?)
 }
 
-fn reduce_window(kind: ReduceKind, w: &WindowAttrs, x: &Tensor, xt: &TensorType) -> Result<Tensor> {
-    let n = w.window.len();
-    let t = windows(x, w, identity(kind, xt.dtype))?;
-    let axes: Vec<i64> = (0..n).map(|k| (2 + n + k) as i64).collect();
+/// A reduction over `axes` (non-empty); reductions of nothing give the identity.
+fn reduce(kind: ReduceKind, x: &Tensor, axes: &[i64], out: &TensorType) -> Result<Tensor> {
+    if x.numel() == 0 && kind != ReduceKind::Sum {
+        // libtorch refuses max/min over an empty dim; StableHLO returns the init value.
+        return Ok(identity(kind, out.dtype)?
+            .f_expand(out.shape.to_i64(), false)?
+            .f_contiguous()?);
+    }
     Ok(match kind {
-        ReduceKind::Sum => t.f_sum_dim_intlist(axes.as_slice(), false, kind_of(xt.dtype))?,
-        ReduceKind::Max => t.f_amax(axes.as_slice(), false)?,
-        ReduceKind::Min => t.f_amin(axes.as_slice(), false)?,
+        ReduceKind::Sum => wrap_u32(
+            x.f_sum_dim_intlist(axes, false, kind_of(out.dtype))?,
+            out.dtype,
+        )?,
+        ReduceKind::Max => x.f_amax(axes, false)?,
+        ReduceKind::Min => x.f_amin(axes, false)?,
     })
 }
 
+fn reduce_window(
+    kind: ReduceKind,
+    w: &WindowAttrs,
+    x: &Tensor,
+    xt: &TensorType,
+    out: &TensorType,
+) -> Result<Tensor> {
+    let n = w.window.len();
+    let t = windows(x, w, &identity(kind, xt.dtype)?)?;
+    let axes: Vec<i64> = (0..n).map(|k| (2 + n + k) as i64).collect();
+    reduce(kind, &t, &axes, out)
+}
+
+/// Max pooling's gradient with the IR's selection rule (see [`Op::SelectAndScatter`]): in each
+/// window, padding is never selected; a NaN beats any number, then the larger value wins, and
+/// ties go to the first element in row-major order. Each `source` element is added at its
+/// window's selected position; a window of pure padding drops its element.
 fn select_and_scatter(
     w: &WindowAttrs,
     x: &Tensor,
@@ -421,20 +505,34 @@ fn select_and_scatter(
     st: &TensorType,
 ) -> Result<Tensor> {
     let n = w.window.len();
-    let t = windows(x, w, identity(ReduceKind::Max, xt.dtype))?;
     let (batch, chan) = (xt.shape.dim(0) as i64, xt.shape.dim(1) as i64);
     let out_sp: Vec<i64> = (0..n).map(|k| st.shape.dim(k + 2) as i64).collect();
     let win: Vec<i64> = w.window.iter().map(|&k| k as i64).collect();
     let padded: Vec<i64> = (0..n)
         .map(|k| (xt.shape.dim(k + 2) + w.padding[k].0 + w.padding[k].1) as i64)
         .collect();
-    // Flatten each window and take its first maximum.
     let mut flat_shape = vec![batch, chan];
     flat_shape.extend_from_slice(&out_sp);
     flat_shape.push(win.iter().product());
-    let arg = t.f_reshape(&flat_shape)?.f_argmax(-1, false)?;
+    let vals = windows(x, w, &identity(ReduceKind::Max, xt.dtype)?)?.f_reshape(&flat_shape)?;
+    let real = Tensor::f_ones(xt.shape.to_i64(), (Kind::Bool, tch::Device::Cpu))?;
+    let no = Tensor::f_zeros([0i64; 0], (Kind::Bool, tch::Device::Cpu))?;
+    let valid = windows(&real, w, &no)?.f_reshape(&flat_shape)?;
+    // Candidates: the NaNs if the window has any, else the elements equal to its maximum.
+    let max = vals.f_amax([-1i64].as_slice(), true)?;
+    let mut hit = vals.f_eq_tensor(&max)?;
+    if xt.dtype.is_float() {
+        let nan = vals.f_isnan()?.f_logical_and(&valid)?;
+        let any_nan = nan.f_any_dim(-1, true)?;
+        hit = nan.f_where_self(&any_nan, &hit)?;
+    }
+    let hit = hit.f_logical_and(&valid)?;
+    let found = hit.f_any_dim(-1, false)?;
+    // The first candidate (argmax returns the first maximal index).
+    let sel = hit.f_to_kind(Kind::Int)?.f_argmax(-1, false)?;
+    let source = source.f_where_self(&found, &source.f_zeros_like()?)?;
     // Unravel the window offset and turn it into a linear index in the padded input.
-    let mut rem = arg;
+    let mut rem = sel;
     let mut lin = Tensor::f_zeros_like(&rem)?;
     let mut stride_in = 1i64;
     for k in (0..n).rev() {
@@ -467,7 +565,7 @@ fn select_and_scatter(
             1,
         )?;
     }
-    Ok(r)
+    wrap_u32(r, xt.dtype)
 }
 
 fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor, xt: &TensorType) -> Result<Tensor> {
@@ -483,15 +581,7 @@ fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor, xt: &TensorType) -> Result<Tensor
             interior.push(c.lhs_dilation[i] - 1);
         }
         let zero = scalar_like(0.0, xt.dtype)?;
-        x = pad(
-            &x,
-            &zero,
-            &low,
-            &high,
-            &interior,
-            &xt.shape.to_i64(),
-            xt.dtype,
-        )?;
+        x = pad(&x, &zero, &low, &high, &interior, &xt.shape.to_i64())?;
     }
     let stride: Vec<i64> = c.strides.iter().map(|&s| s as i64).collect();
     let dil: Vec<i64> = c.rhs_dilation.iter().map(|&s| s as i64).collect();

@@ -38,6 +38,7 @@ pub fn tensor_type(t: &TensorType) -> String {
 fn i64_array(v: impl IntoIterator<Item = i64>) -> String {
     let items: Vec<String> = v.into_iter().map(|x| x.to_string()).collect();
     if items.is_empty() {
+        // `array<i64: >` does not parse.
         return "array<i64>".to_string();
     }
     format!("array<i64: {}>", items.join(", "))
@@ -244,9 +245,248 @@ impl<'g> Emitter<'g> {
     /// A reduction body region combining two scalars of `d` with `op`.
     fn region(&self, prefix: &str, d: DType, op: &str) -> String {
         let s = tensor_type(&TensorType::scalar(d));
+        let body = combine(
+            &format!("{prefix}_r"),
+            op,
+            &format!("{prefix}_a"),
+            &format!("{prefix}_b"),
+            d,
+            &s,
+            "      ",
+        );
         format!(
-            "{{\n    ^bb0({prefix}_a: {s}, {prefix}_b: {s}):\n      {prefix}_r = \"{op}\"({prefix}_a, {prefix}_b) : ({s}, {s}) -> {s}\n      \"stablehlo.return\"({prefix}_r) : ({s}) -> ()\n    }}"
+            "{{\n    ^bb0({prefix}_a: {s}, {prefix}_b: {s}):\n{body}      \"stablehlo.return\"({prefix}_r) : ({s}) -> ()\n    }}"
         )
+    }
+
+    /// `SelectAndScatter` with the IR's deterministic selection (first maximum, NaN largest,
+    /// padding never selected).
+    ///
+    /// StableHLO's `select_and_scatter` leaves the order in which a window's elements meet
+    /// `select` to the implementation, and XLA:CPU does not always scan windows in row-major
+    /// order, so ties (common after ReLU) were broken differently from the eager interpreter.
+    /// Instead, each element is paired with its linear index, a variadic `reduce_window` picks
+    /// the winner under a total order (NaN > larger value > smaller index; padding carries the
+    /// index `i64::MAX`, so it loses every tie), and the source is scatter-added at the winners.
+    fn select_and_scatter(
+        &mut self,
+        res: &str,
+        w: &WindowAttrs,
+        x: &str,
+        xt: &TensorType,
+        src: &str,
+        st: &TensorType,
+    ) {
+        let d = xt.dtype;
+        let numel = xt.shape.numel();
+        let m = st.shape.numel();
+        let xty = tensor_type(xt);
+        let sty = tensor_type(st);
+        let ity = tensor_type(&xt.with_dtype(DType::I64));
+        let flat_i = tensor_type(&TensorType::new(DType::I64, [numel]));
+        let flat_x = tensor_type(&TensorType::new(d, [numel]));
+        let win_i = tensor_type(&st.with_dtype(DType::I64));
+        let m_i = tensor_type(&TensorType::new(DType::I64, [m]));
+        let m_d = tensor_type(&TensorType::new(d, [m]));
+        let m_p = tensor_type(&TensorType::new(DType::Bool, [m]));
+        let sd = tensor_type(&TensorType::scalar(d));
+        let si = tensor_type(&TensorType::scalar(DType::I64));
+        let sp = "tensor<i1>";
+        // Linear indices of the operand's elements.
+        let iota = format!("{res}_iota");
+        self.generic(
+            &iota,
+            "stablehlo.iota",
+            &[],
+            &[],
+            "iota_dimension = 0 : i64",
+            &flat_i,
+        );
+        let idx = format!("{res}_idx");
+        self.generic(
+            &idx,
+            "stablehlo.reshape",
+            &[&iota],
+            std::slice::from_ref(&flat_i),
+            "",
+            &ity,
+        );
+        let init_v = format!("{res}_initv");
+        self.constant(&init_v, &identity_literal(ReduceKind::Max, d));
+        let init_i = format!("{res}_initi");
+        self.constant(&init_i, &Literal::scalar(DType::I64, i64::MAX as f64));
+        // The combiner: does (a, ai) beat (b, bi)?
+        let p = format!("{res}_s");
+        let cmp = |out: &str, dir: &str, l: &str, r: &str, ty: &str, ct: &str| {
+            format!(
+                "      {out} = \"stablehlo.compare\"({l}, {r}) {{comparison_direction = #stablehlo<comparison_direction {dir}>, compare_type = #stablehlo<comparison_type {ct}>}} : ({ty}, {ty}) -> {sp}\n"
+            )
+        };
+        let bin = |out: &str, op: &str, l: &str, r: &str| {
+            format!("      {out} = \"stablehlo.{op}\"({l}, {r}) : ({sp}, {sp}) -> {sp}\n")
+        };
+        let ct = compare_type(d);
+        let (a, ai, b, bi) = (
+            format!("{p}_a"),
+            format!("{p}_ai"),
+            format!("{p}_b"),
+            format!("{p}_bi"),
+        );
+        let mut body = String::new();
+        body += &cmp(&format!("{p}_gt"), "GT", &a, &b, &sd, ct);
+        body += &cmp(&format!("{p}_eq"), "EQ", &a, &b, &sd, ct);
+        body += &cmp(&format!("{p}_lt"), "LT", &ai, &bi, &si, "SIGNED");
+        body += &bin(
+            &format!("{p}_tie"),
+            "and",
+            &format!("{p}_eq"),
+            &format!("{p}_lt"),
+        );
+        body += &bin(
+            &format!("{p}_w0"),
+            "or",
+            &format!("{p}_gt"),
+            &format!("{p}_tie"),
+        );
+        let win = if d.is_float() {
+            body += &cmp(&format!("{p}_an"), "NE", &a, &a, &sd, ct);
+            body += &cmp(&format!("{p}_bn"), "NE", &b, &b, &sd, ct);
+            // Both NaN: the index decides. Only a NaN: it wins.
+            body += &bin(
+                &format!("{p}_nn"),
+                "and",
+                &format!("{p}_an"),
+                &format!("{p}_bn"),
+            );
+            body += &bin(
+                &format!("{p}_nt"),
+                "and",
+                &format!("{p}_nn"),
+                &format!("{p}_lt"),
+            );
+            body += &bin(
+                &format!("{p}_w1"),
+                "or",
+                &format!("{p}_w0"),
+                &format!("{p}_nt"),
+            );
+            body += &format!("      {p}_bok = \"stablehlo.not\"({p}_bn) : ({sp}) -> {sp}\n");
+            body += &bin(
+                &format!("{p}_na"),
+                "and",
+                &format!("{p}_an"),
+                &format!("{p}_bok"),
+            );
+            body += &bin(
+                &format!("{p}_w"),
+                "or",
+                &format!("{p}_w1"),
+                &format!("{p}_na"),
+            );
+            format!("{p}_w")
+        } else {
+            format!("{p}_w0")
+        };
+        body += &format!(
+            "      {p}_v = \"stablehlo.select\"({win}, {a}, {b}) : ({sp}, {sd}, {sd}) -> {sd}\n      {p}_i = \"stablehlo.select\"({win}, {ai}, {bi}) : ({sp}, {si}, {si}) -> {si}\n      \"stablehlo.return\"({p}_v, {p}_i) : ({sd}, {si}) -> ()\n"
+        );
+        let _ = writeln!(
+            self.out,
+            "    {res}_rw:2 = \"stablehlo.reduce_window\"({x}, {idx}, {init_v}, {init_i}) ({{\n    ^bb0({a}: {sd}, {ai}: {si}, {b}: {sd}, {bi}: {si}):\n{body}    }}) {{{}}} : ({xty}, {ity}, {sd}, {si}) -> ({sty}, {win_i})",
+            window_attrs(w)
+        );
+        // Scatter-add the source at the winners; windows of pure padding add nothing.
+        let sel = format!("{res}_sel");
+        self.generic(
+            &sel,
+            "stablehlo.reshape",
+            &[&format!("{res}_rw#1")],
+            std::slice::from_ref(&win_i),
+            "",
+            &m_i,
+        );
+        let flat_src = format!("{res}_src");
+        self.generic(
+            &flat_src,
+            "stablehlo.reshape",
+            &[src],
+            std::slice::from_ref(&sty),
+            "",
+            &m_d,
+        );
+        let big = format!("{res}_big");
+        self.generic(
+            &big,
+            "stablehlo.broadcast_in_dim",
+            &[&init_i],
+            std::slice::from_ref(&si),
+            "broadcast_dimensions = array<i64>",
+            &m_i,
+        );
+        let pad_win = format!("{res}_padwin");
+        let _ = writeln!(
+            self.out,
+            "    {pad_win} = \"stablehlo.compare\"({sel}, {big}) {{comparison_direction = #stablehlo<comparison_direction EQ>, compare_type = #stablehlo<comparison_type SIGNED>}} : ({m_i}, {m_i}) -> {m_p}"
+        );
+        let zero = format!("{res}_zero");
+        self.constant(&zero, &Literal::scalar(d, 0.0));
+        let zeros_m = format!("{res}_zm");
+        self.generic(
+            &zeros_m,
+            "stablehlo.broadcast_in_dim",
+            &[&zero],
+            std::slice::from_ref(&sd),
+            "broadcast_dimensions = array<i64>",
+            &m_d,
+        );
+        let upd = format!("{res}_upd");
+        self.generic(
+            &upd,
+            "stablehlo.select",
+            &[&pad_win, &zeros_m, &flat_src],
+            &[m_p.clone(), m_d.clone(), m_d.clone()],
+            "",
+            &m_d,
+        );
+        let lo = format!("{res}_lo");
+        self.constant(&lo, &Literal::scalar(DType::I64, 0.0));
+        let hi = format!("{res}_hi");
+        self.constant(
+            &hi,
+            &Literal::scalar(DType::I64, numel.saturating_sub(1) as f64),
+        );
+        let safe = format!("{res}_safe");
+        self.generic(
+            &safe,
+            "stablehlo.clamp",
+            &[&lo, &sel, &hi],
+            &[si.clone(), m_i.clone(), si.clone()],
+            "",
+            &m_i,
+        );
+        let zeros = format!("{res}_zeros");
+        self.generic(
+            &zeros,
+            "stablehlo.broadcast_in_dim",
+            &[&zero],
+            std::slice::from_ref(&sd),
+            "broadcast_dimensions = array<i64>",
+            &flat_x,
+        );
+        let region = self.region(&format!("{res}_add"), d, "stablehlo.add");
+        let scat = format!("{res}_sc");
+        let _ = writeln!(
+            self.out,
+            "    {scat} = \"stablehlo.scatter\"({zeros}, {safe}, {upd}) ({region}) {{scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, indices_are_sorted = false, unique_indices = false}} : ({flat_x}, {m_i}, {m_d}) -> {flat_x}"
+        );
+        self.generic(
+            res,
+            "stablehlo.reshape",
+            &[&scat],
+            std::slice::from_ref(&flat_x),
+            "",
+            &xty,
+        );
     }
 
     fn node(&mut self, id: NodeId) -> Result<()> {
@@ -275,7 +515,18 @@ impl<'g> Emitter<'g> {
                 &out_ty,
             ),
             Op::Unary(u) => self.generic(&res, unary_name(*u), &arg_refs, &arg_tys, "", &out_ty),
-            Op::Binary(b) => self.generic(&res, binary_name(*b), &arg_refs, &arg_tys, "", &out_ty),
+            Op::Binary(b) => {
+                let body = combine(
+                    &res,
+                    binary_name(*b),
+                    &args[0],
+                    &args[1],
+                    n.ty.dtype,
+                    &out_ty,
+                    "    ",
+                );
+                self.out.push_str(&body);
+            }
             Op::Compare(c) => {
                 let d = self.g.node(n.operands[0]).ty.dtype;
                 let attrs = format!(
@@ -434,25 +685,9 @@ impl<'g> Emitter<'g> {
                 );
             }
             Op::SelectAndScatter(attrs) => {
-                let d = n.ty.dtype;
-                let init = format!("{res}_init");
-                self.constant(&init, &Literal::scalar(d, 0.0));
-                let st = tensor_type(&TensorType::scalar(d));
-                let p = format!("{res}_sel");
-                let select = format!(
-                    "{{\n    ^bb0({p}_a: {st}, {p}_b: {st}):\n      {p}_r = \"stablehlo.compare\"({p}_a, {p}_b) {{comparison_direction = #stablehlo<comparison_direction GE>, compare_type = #stablehlo<comparison_type {}>}} : ({st}, {st}) -> tensor<i1>\n      \"stablehlo.return\"({p}_r) : (tensor<i1>) -> ()\n    }}",
-                    compare_type(d)
-                );
-                let scatter = self.region(&format!("{res}_sca"), d, "stablehlo.add");
-                let _ = writeln!(
-                    self.out,
-                    "    {res} = \"stablehlo.select_and_scatter\"({}, {}, {init}) ({select}, {scatter}) {{{}}} : ({}, {}, {st}) -> {out_ty}",
-                    args[0],
-                    args[1],
-                    window_attrs(attrs),
-                    arg_tys[0],
-                    arg_tys[1]
-                );
+                let xt = self.g.node(n.operands[0]).ty.clone();
+                let st = self.g.node(n.operands[1]).ty.clone();
+                self.select_and_scatter(&res, attrs, &args[0], &xt, &args[1], &st);
             }
             Op::Conv(c) => {
                 let attrs = conv_attrs(c);
@@ -542,6 +777,28 @@ impl<'g> Emitter<'g> {
         self.names.insert(id, res);
         Ok(())
     }
+}
+
+/// `res = op(a, b)` on values of type `ty` (element type `d`), as lines of text.
+///
+/// StableHLO's `maximum`/`minimum` propagate NaN, but XLA:CPU compiles them to "fast" min/max
+/// that return the other operand (`xla_cpu_enable_fast_min_max`). For floats they are therefore
+/// written as `select(a != a, a, select(b != b, b, max(a, b)))`, which every backend computes
+/// exactly.
+fn combine(res: &str, op: &str, a: &str, b: &str, d: DType, ty: &str, indent: &str) -> String {
+    let minmax = op == "stablehlo.maximum" || op == "stablehlo.minimum";
+    if !(minmax && d.is_float()) {
+        return format!("{indent}{res} = \"{op}\"({a}, {b}) : ({ty}, {ty}) -> {ty}\n");
+    }
+    let pred = ty.replace(element_type(d), "i1");
+    let ne = "comparison_direction = #stablehlo<comparison_direction NE>, compare_type = #stablehlo<comparison_type FLOAT>";
+    format!(
+        "{indent}{res}_m = \"{op}\"({a}, {b}) : ({ty}, {ty}) -> {ty}\n\
+         {indent}{res}_an = \"stablehlo.compare\"({a}, {a}) {{{ne}}} : ({ty}, {ty}) -> {pred}\n\
+         {indent}{res}_bn = \"stablehlo.compare\"({b}, {b}) {{{ne}}} : ({ty}, {ty}) -> {pred}\n\
+         {indent}{res}_mb = \"stablehlo.select\"({res}_bn, {b}, {res}_m) : ({pred}, {ty}, {ty}) -> {ty}\n\
+         {indent}{res} = \"stablehlo.select\"({res}_an, {a}, {res}_mb) : ({pred}, {ty}, {ty}) -> {ty}\n"
+    )
 }
 
 fn window_attrs(w: &WindowAttrs) -> String {

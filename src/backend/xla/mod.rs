@@ -72,6 +72,19 @@ pub struct XlaExecutable {
 }
 
 impl XlaExecutable {
+    fn new(exe: pjrt::LoadedExecutable, graph: &Graph, mlir: String) -> Self {
+        XlaExecutable {
+            exe,
+            inputs: graph
+                .inputs()
+                .iter()
+                .map(|i| (i.name.clone(), i.ty.clone()))
+                .collect(),
+            outputs: graph.output_types(),
+            mlir,
+        }
+    }
+
     /// The StableHLO text this executable was compiled from.
     pub fn mlir(&self) -> &str {
         &self.mlir
@@ -165,16 +178,7 @@ impl XlaBackend {
                 graph.outputs().len()
             )));
         }
-        Ok(XlaExecutable {
-            exe,
-            inputs: graph
-                .inputs()
-                .iter()
-                .map(|i| (i.name.clone(), i.ty.clone()))
-                .collect(),
-            outputs: graph.output_types(),
-            mlir: String::new(),
-        })
+        Ok(XlaExecutable::new(exe, graph, String::new()))
     }
 }
 
@@ -190,16 +194,7 @@ impl Backend for XlaBackend {
         graph.verify()?;
         let mlir = lower::lower(graph)?;
         let exe = self.compile_mlir(&mlir)?;
-        Ok(XlaExecutable {
-            exe,
-            inputs: graph
-                .inputs()
-                .iter()
-                .map(|i| (i.name.clone(), i.ty.clone()))
-                .collect(),
-            outputs: graph.output_types(),
-            mlir,
-        })
+        Ok(XlaExecutable::new(exe, graph, mlir))
     }
 
     fn execute(&self, exe: &XlaExecutable, inputs: &[&XlaBuffer]) -> Result<Vec<XlaBuffer>> {
@@ -261,6 +256,18 @@ impl Backend for XlaBackend {
 
     fn sync(&self, b: &XlaBuffer) -> Result<()> {
         b.buffer.ready()
+    }
+
+    fn is_donated(&self, b: &XlaBuffer) -> Result<bool> {
+        b.buffer.is_deleted()
+    }
+
+    fn serialize_executable(&self, exe: &XlaExecutable) -> Result<Option<Vec<u8>>> {
+        Ok(Some(self.serialize(exe)?))
+    }
+
+    fn deserialize_executable(&self, graph: &Graph, bytes: &[u8]) -> Result<Option<XlaExecutable>> {
+        Ok(Some(self.deserialize(graph, bytes)?))
     }
 
     fn cache_key(&self) -> String {

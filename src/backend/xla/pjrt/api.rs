@@ -38,18 +38,25 @@ pub(crate) struct ApiInner {
 static REGISTRY: Mutex<Vec<Api>> = Mutex::new(Vec::new());
 
 macro_rules! fns {
-    ($($name:ident),* $(,)?) => {
+    (
+        required: [$($name:ident),* $(,)?],
+        optional: [$($opt:ident),* $(,)?] $(,)?
+    ) => {
         /// The `PJRT_Api` slots kiln calls, copied out of the plugin's table at load time.
+        ///
+        /// Required slots are plain function pointers (a plugin without one is refused);
+        /// optional ones are `None` when the plugin's table ends before them or holds null.
         #[allow(non_snake_case)]
         pub(crate) struct Fns {
             $(pub(crate) $name: sys::$name,)*
+            $(pub(crate) $opt: Option<sys::$opt>,)*
         }
 
         impl Fns {
             /// Reads every slot kiln needs from the plugin's table.
             ///
-            /// Returns the name of the first slot that lies beyond `struct_size` or is null,
-            /// and whether it was beyond the table (`true`) or null (`false`).
+            /// Returns the name of the first required slot that lies beyond `struct_size` or
+            /// is null, and whether it was beyond the table (`true`) or null (`false`).
             ///
             /// # Safety
             /// `table` must point to at least `struct_size` readable bytes of a `PJRT_Api`.
@@ -73,6 +80,17 @@ macro_rules! fns {
                             None => return Err((stringify!($name), false)),
                         }
                     },)*
+                    $($opt: {
+                        let end = core::mem::offset_of!(sys::PJRT_Api, $opt)
+                            + core::mem::size_of::<Option<sys::$opt>>();
+                        if end > struct_size {
+                            None
+                        } else {
+                            // SAFETY: as for the required slots: within `struct_size`
+                            // readable bytes, typed as the header declares it.
+                            unsafe { ptr::addr_of!((*table).$opt).read_unaligned() }
+                        }
+                    },)*
                 })
             }
         }
@@ -80,34 +98,44 @@ macro_rules! fns {
 }
 
 fns!(
-    // Errors first: they are needed to report every other failure.
-    PJRT_Error_Destroy,
-    PJRT_Error_Message,
-    PJRT_Error_GetCode,
-    PJRT_Plugin_Initialize,
-    PJRT_Event_Destroy,
-    PJRT_Event_Await,
-    PJRT_Client_Create,
-    PJRT_Client_Destroy,
-    PJRT_Client_PlatformName,
-    PJRT_Client_PlatformVersion,
-    PJRT_Client_AddressableDevices,
-    PJRT_Client_Compile,
-    PJRT_Client_BufferFromHostBuffer,
-    PJRT_Executable_Destroy,
-    PJRT_Executable_NumOutputs,
-    PJRT_Executable_Serialize,
-    PJRT_LoadedExecutable_Destroy,
-    PJRT_LoadedExecutable_GetExecutable,
-    PJRT_LoadedExecutable_Execute,
-    PJRT_Executable_DeserializeAndLoad,
-    PJRT_Buffer_Destroy,
-    PJRT_Buffer_ElementType,
-    PJRT_Buffer_Dimensions,
-    PJRT_Buffer_OnDeviceSizeInBytes,
-    PJRT_Buffer_IsDeleted,
-    PJRT_Buffer_ToHostBuffer,
-    PJRT_Buffer_ReadyEvent,
+    required: [
+        // Errors first: they are needed to report every other failure.
+        PJRT_Error_Destroy,
+        PJRT_Error_Message,
+        PJRT_Error_GetCode,
+        PJRT_Plugin_Initialize,
+        PJRT_Event_Destroy,
+        PJRT_Event_Await,
+        PJRT_Client_Create,
+        PJRT_Client_Destroy,
+        PJRT_Client_PlatformName,
+        PJRT_Client_PlatformVersion,
+        PJRT_Client_AddressableDevices,
+        PJRT_Client_Compile,
+        PJRT_Client_BufferFromHostBuffer,
+        PJRT_Executable_Destroy,
+        PJRT_Executable_NumOutputs,
+        PJRT_Executable_Serialize,
+        PJRT_LoadedExecutable_Destroy,
+        PJRT_LoadedExecutable_GetExecutable,
+        PJRT_LoadedExecutable_Execute,
+        PJRT_Executable_DeserializeAndLoad,
+        PJRT_Buffer_Destroy,
+        PJRT_Buffer_ElementType,
+        PJRT_Buffer_Dimensions,
+        PJRT_Buffer_OnDeviceSizeInBytes,
+        PJRT_Buffer_IsDeleted,
+        PJRT_Buffer_ToHostBuffer,
+        PJRT_Buffer_ReadyEvent,
+    ],
+    // The direct host read of `Buffer::to_host` (host-memory platforms only); without any of
+    // these, `to_host` uses `PJRT_Buffer_ToHostBuffer`.
+    optional: [
+        PJRT_Buffer_GetMemoryLayout,
+        PJRT_Buffer_IncreaseExternalReferenceCount,
+        PJRT_Buffer_DecreaseExternalReferenceCount,
+        PJRT_Buffer_OpaqueDeviceMemoryDataPointer,
+    ],
 );
 
 fn plugin_error(path: &Path, message: impl Into<String>) -> Error {
@@ -230,7 +258,7 @@ impl fmt::Debug for Api {
 }
 
 /// Checks a plugin's `PJRT_Api` table: readable version, major version 0, and every slot kiln
-/// calls inside the table (`struct_size`) and non-null.
+/// requires inside the table (`struct_size`) and non-null; optional slots are read if present.
 ///
 /// # Safety
 /// `table` must point to a `PJRT_Api` whose first `struct_size` bytes (its first field) are

@@ -6,7 +6,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use super::api::{copy_string, Api, ApiInner, Event};
-use super::buffer::{Buffer, ElementType};
+use super::buffer::{Buffer, DirectRead, ElementType};
 use super::executable::LoadedExecutable;
 use super::sys::{self, Args};
 use crate::error::{Error, Result};
@@ -30,6 +30,10 @@ pub(crate) struct ClientInner {
     pub(crate) raw: NonNull<sys::PJRT_Client>,
     /// Addressable devices, owned by the client and valid for its lifetime.
     devices: Vec<NonNull<sys::PJRT_Device>>,
+    /// The functions of the direct host read of [`Buffer::to_host`], when buffers of this
+    /// client live in host memory (platform `cpu`) and the plugin has every slot it needs;
+    /// `None` otherwise (`to_host` then always uses `PJRT_Buffer_ToHostBuffer`).
+    pub(crate) direct_read: Option<DirectRead>,
 }
 
 // SAFETY: a `PJRT_Client` is not tied to the thread that created it, and the PJRT C API
@@ -64,6 +68,12 @@ impl Client {
     /// # Errors
     /// [`Error::Pjrt`] if the plugin cannot create a client (e.g. no device).
     pub fn new(api: &Api) -> Result<Client> {
+        Client::with_direct_read(api, true)
+    }
+
+    /// [`Client::new`], with the direct host read of [`Buffer::to_host`] allowed or not
+    /// (`false`: every read goes through `PJRT_Buffer_ToHostBuffer`; for tests).
+    pub(crate) fn with_direct_read(api: &Api, allow_direct_read: bool) -> Result<Client> {
         let a = api.inner();
         let mut args = sys::PJRT_Client_Create_Args::new();
         // SAFETY: `args` is a valid args struct with no options and no key-value callbacks.
@@ -79,6 +89,7 @@ impl Client {
             api: api.clone(),
             raw,
             devices: Vec::new(),
+            direct_read: None,
         };
 
         let mut args = sys::PJRT_Client_AddressableDevices_Args::new();
@@ -94,9 +105,20 @@ impl Client {
             };
             inner.devices = devices.iter().filter_map(|&d| NonNull::new(d)).collect();
         }
+        if allow_direct_read && platform_name(a, raw)? == "cpu" {
+            // The CPU plugin keeps every buffer in this process's memory (host memory is its
+            // only memory kind), so a buffer's device address is a host address.
+            inner.direct_read = DirectRead::new(&a.fns);
+        }
         Ok(Client {
             inner: Arc::new(inner),
         })
+    }
+
+    /// Whether [`Buffer::to_host`] reads buffers of this client directly from their host
+    /// memory (see there) rather than through `PJRT_Buffer_ToHostBuffer`.
+    pub fn reads_buffers_directly(&self) -> bool {
+        self.inner.direct_read.is_some()
     }
 
     /// The [`Api`] this client was created from.
@@ -109,14 +131,7 @@ impl Client {
     /// # Errors
     /// [`Error::Pjrt`] if the plugin fails the query.
     pub fn platform_name(&self) -> Result<String> {
-        let api = self.inner.api();
-        let mut args = sys::PJRT_Client_PlatformName_Args::new();
-        args.client = self.inner.raw.as_ptr();
-        // SAFETY: live client, valid args struct.
-        let err = unsafe { (api.fns.PJRT_Client_PlatformName)(&mut args) };
-        api.check("PJRT_Client_PlatformName", err)?;
-        // SAFETY: the plugin returned `platform_name_size` bytes owned by the live client.
-        Ok(unsafe { copy_string(args.platform_name, args.platform_name_size) })
+        platform_name(self.inner.api(), self.inner.raw)
     }
 
     /// A platform-specific version string (e.g. the CUDA version); may be empty.
@@ -149,9 +164,16 @@ impl Client {
         let api = self.inner.api();
         const FORMAT: &str = "mlir";
         let mut program = sys::PJRT_Program::new();
+        // The plugin parses the text with MLIR, whose lexer (llvm::MemoryBuffer semantics)
+        // expects a NUL right after the last byte and reads past `code_size` without one: a
+        // non-terminated `&str` made it lex whatever followed in memory. Pass a terminated
+        // copy; `code_size` excludes the NUL.
+        let mut code = Vec::with_capacity(mlir_text.len() + 1);
+        code.extend_from_slice(mlir_text.as_bytes());
+        code.push(0u8);
         // The C API declares `code` as `char*` because other calls write it; compile only
         // reads it.
-        program.code = mlir_text.as_ptr().cast::<c_char>().cast_mut();
+        program.code = code.as_ptr().cast::<c_char>().cast_mut();
         program.code_size = mlir_text.len();
         program.format = FORMAT.as_ptr().cast::<c_char>();
         program.format_size = FORMAT.len();
@@ -160,8 +182,8 @@ impl Client {
         args.program = &program;
         args.compile_options = compile_options.as_ptr().cast::<c_char>();
         args.compile_options_size = compile_options.len();
-        // SAFETY: live client; `program`, the code, the format and the options all outlive
-        // the call (the plugin copies what it keeps).
+        // SAFETY: live client; `program`, the code (`code`, NUL-terminated), the format and the
+        // options all outlive the call (the plugin copies what it keeps).
         let err = unsafe { (api.fns.PJRT_Client_Compile)(&mut args) };
         api.check("PJRT_Client_Compile", err)?;
         LoadedExecutable::from_raw(&self.inner, args.executable, "PJRT_Client_Compile")
@@ -258,6 +280,17 @@ impl fmt::Debug for Client {
             .field("addressable_devices", &self.inner.devices.len())
             .finish()
     }
+}
+
+/// `PJRT_Client_PlatformName` of a live client.
+fn platform_name(api: &ApiInner, client: NonNull<sys::PJRT_Client>) -> Result<String> {
+    let mut args = sys::PJRT_Client_PlatformName_Args::new();
+    args.client = client.as_ptr();
+    // SAFETY: live client (the caller's), valid args struct.
+    let err = unsafe { (api.fns.PJRT_Client_PlatformName)(&mut args) };
+    api.check("PJRT_Client_PlatformName", err)?;
+    // SAFETY: the plugin returned `platform_name_size` bytes owned by the live client.
+    Ok(unsafe { copy_string(args.platform_name, args.platform_name_size) })
 }
 
 /// `product(dims) * ty.byte_size()`, checked for negative dimensions and overflow.

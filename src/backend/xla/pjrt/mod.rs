@@ -17,7 +17,9 @@
 //! Compatibility: kiln binds the C API by `struct_size`. It needs major version 0 and every
 //! function it calls present in the plugin's table, which holds for PJRT C API 0.81 and newer
 //! (checked with 0.81 and 0.115); an older or foreign plugin is an
-//! [`Error::Plugin`](crate::error::Error::Plugin), never a panic.
+//! [`Error::Plugin`](crate::error::Error::Plugin), never a panic. The functions of the direct
+//! host read of [`Buffer::to_host`] (external references, the device memory pointer, the
+//! memory layout) are optional: without them reads go through `PJRT_Buffer_ToHostBuffer`.
 //!
 //! ```no_run
 //! # use std::path::Path;

@@ -1,0 +1,214 @@
+//! The compile cache (trace once per signature, replay) and graph fingerprints.
+
+use kiln::backend::eager::EagerBackend;
+use kiln::backend::xla::XlaBackend;
+use kiln::backend::Backend;
+use kiln::ir::{
+    BinaryOp, ConvAttrs, DotDims, Graph, InputKind, Literal, Op, ReduceKind, Shape, UnaryOp,
+};
+use kiln::{compile, trace, DType, Tensor, TensorType, TraceMode};
+
+fn f32t(shape: &[usize]) -> TensorType {
+    TensorType::new(DType::F32, shape)
+}
+
+fn model(xs: &[Tensor]) -> kiln::Result<Vec<Tensor>> {
+    let x = &xs[0];
+    Ok(vec![x.exp()?.add_scalar(1.0)?.log()?.sum(&[-1], false)?])
+}
+
+fn eager_model(x: &Tensor) -> Vec<f64> {
+    tch::no_grad(|| model(std::slice::from_ref(x)))
+        .unwrap()
+        .remove(0)
+        .to_f64_vec()
+        .unwrap()
+}
+
+fn close(a: &[f64], b: &[f64]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| (x - y).abs() <= 1e-5 * (1.0 + y.abs()))
+}
+
+fn cache_behaviour<B: Backend>(backend: B) {
+    let mut f = compile(backend, model);
+    let x = Tensor::randn(&[2, 5], 1).unwrap();
+    let y = f.run(std::slice::from_ref(&x)).unwrap();
+    assert!(close(&y[0].to_f64_vec().unwrap(), &eager_model(&x)));
+    let s = f.stats();
+    assert_eq!((s.traces, s.compiles, s.executions), (1, 1, 1), "{s:?}");
+    // Same signature: no trace, no compile, a cache hit; new values are used.
+    let x2 = Tensor::randn(&[2, 5], 2).unwrap();
+    let y2 = f.run(std::slice::from_ref(&x2)).unwrap();
+    assert!(close(&y2[0].to_f64_vec().unwrap(), &eager_model(&x2)));
+    let s = f.stats();
+    assert_eq!((s.traces, s.compiles, s.executions), (1, 1, 2), "{s:?}");
+    assert_eq!(s.cache_hits, 1, "{s:?}");
+    // A new shape traces and compiles again.
+    let x3 = Tensor::randn(&[3, 4], 3).unwrap();
+    let y3 = f.run(std::slice::from_ref(&x3)).unwrap();
+    assert!(close(&y3[0].to_f64_vec().unwrap(), &eager_model(&x3)));
+    let s = f.stats();
+    assert_eq!((s.traces, s.compiles, s.executions), (2, 2, 3), "{s:?}");
+    // A new dtype too.
+    let x4 = Tensor::randn_dtype(&[2, 5], DType::F64, 4).unwrap();
+    let y4 = f.run(std::slice::from_ref(&x4)).unwrap();
+    assert_eq!(y4[0].dtype(), DType::F64);
+    let s = f.stats();
+    assert_eq!((s.traces, s.compiles), (3, 3), "{s:?}");
+    // Both earlier signatures are still cached.
+    f.run(std::slice::from_ref(&x)).unwrap();
+    f.run(std::slice::from_ref(&x3)).unwrap();
+    let s = f.stats();
+    assert_eq!((s.traces, s.compiles, s.executions), (3, 3, 6), "{s:?}");
+    assert_eq!(s.cache_hits, 3, "{s:?}");
+}
+
+#[test]
+fn trace_once_caches_per_signature_xla() {
+    cache_behaviour(XlaBackend::new().unwrap());
+}
+
+#[test]
+fn trace_once_caches_per_signature_eager() {
+    cache_behaviour(EagerBackend::new());
+}
+
+#[test]
+fn trace_every_call_traces_every_call_and_compiles_once() {
+    let mut f = compile(XlaBackend::new().unwrap(), model).with_mode(TraceMode::EveryCall);
+    for i in 0..4 {
+        let x = Tensor::randn(&[2, 5], 10 + i).unwrap();
+        let y = f.run(std::slice::from_ref(&x)).unwrap();
+        assert!(close(&y[0].to_f64_vec().unwrap(), &eager_model(&x)));
+    }
+    let s = f.stats();
+    assert_eq!((s.traces, s.compiles, s.executions), (4, 1, 4), "{s:?}");
+    assert_eq!(s.cache_hits, 3, "{s:?}");
+    // A new shape: traced (as always) and compiled once more.
+    f.run(&[Tensor::randn(&[1, 5], 0).unwrap()]).unwrap();
+    let s = f.stats();
+    assert_eq!((s.traces, s.compiles), (5, 2), "{s:?}");
+}
+
+/// A small graph exercising inputs of two kinds, constants, attributes and two outputs.
+fn build(variant: &str) -> Graph {
+    let mut g = Graph::new();
+    let xs = if variant == "shape" { [2, 4] } else { [2, 3] };
+    let x = g.add_input(InputKind::Data, "x", f32t(&xs));
+    let wk = if variant == "kind" {
+        InputKind::Buffer
+    } else {
+        InputKind::Parameter
+    };
+    let w = g.add_input(wk, "w", f32t(&[xs[1], 4]));
+    let d = DotDims {
+        lhs_contract: vec![1],
+        rhs_contract: vec![0],
+        ..Default::default()
+    };
+    let y = g.add(Op::DotGeneral(d), &[x, w]).unwrap();
+    let c = if variant == "constant" { 0.5 } else { 0.25 };
+    let k = g
+        .add(Op::Constant(Literal::scalar(DType::F32, c)), &[])
+        .unwrap();
+    let kb = g
+        .add(
+            Op::Broadcast {
+                shape: Shape::new(&[2, 4]),
+                dims: vec![],
+            },
+            &[k],
+        )
+        .unwrap();
+    let ops = if variant == "order" { [kb, y] } else { [y, kb] };
+    let z = g.add(Op::Binary(BinaryOp::Sub), &ops).unwrap();
+    let axes = if variant == "attr" { vec![0] } else { vec![1] };
+    let r = g
+        .add(
+            Op::Reduce {
+                kind: ReduceKind::Max,
+                axes,
+            },
+            &[z],
+        )
+        .unwrap();
+    let e = g.add(Op::Unary(UnaryOp::Exp), &[z]).unwrap();
+    let outs = if variant == "outputs" {
+        vec![e, r]
+    } else {
+        vec![r, e]
+    };
+    g.set_outputs(outs).unwrap();
+    g
+}
+
+#[test]
+fn fingerprints_are_structural() {
+    let base = build("base");
+    assert_eq!(base.fingerprint(), build("base").fingerprint());
+    assert_eq!(base.fingerprint(), base.clone().fingerprint());
+    for v in ["shape", "kind", "constant", "order", "attr", "outputs"] {
+        assert_ne!(base.fingerprint(), build(v).fingerprint(), "variant {v}");
+    }
+    // Input names are not structure.
+    let mut a = Graph::new();
+    let x = a.add_input(InputKind::Data, "x", f32t(&[3]));
+    let y = a.add(Op::Unary(UnaryOp::Neg), &[x]).unwrap();
+    a.set_outputs(vec![y]).unwrap();
+    let mut b = Graph::new();
+    let x = b.add_input(InputKind::Data, "another name", f32t(&[3]));
+    let y = b.add(Op::Unary(UnaryOp::Neg), &[x]).unwrap();
+    b.set_outputs(vec![y]).unwrap();
+    assert_eq!(a.fingerprint(), b.fingerprint());
+    // Other attributes: conv strides, the unary function, the dtype.
+    let conv = |stride: usize| {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", f32t(&[1, 2, 5, 5]));
+        let k = g.add_input(InputKind::Data, "k", f32t(&[3, 2, 3, 3]));
+        let mut c = ConvAttrs::plain(2);
+        c.strides = vec![stride, 1];
+        let y = g.add(Op::Conv(c), &[x, k]).unwrap();
+        g.set_outputs(vec![y]).unwrap();
+        g.fingerprint()
+    };
+    assert_eq!(conv(1), conv(1));
+    assert_ne!(conv(1), conv(2));
+    let unary = |u: UnaryOp, d: DType| {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", TensorType::new(d, [3]));
+        let y = g.add(Op::Unary(u), &[x]).unwrap();
+        g.set_outputs(vec![y]).unwrap();
+        g.fingerprint()
+    };
+    assert_ne!(
+        unary(UnaryOp::Exp, DType::F32),
+        unary(UnaryOp::Log, DType::F32)
+    );
+    assert_ne!(
+        unary(UnaryOp::Exp, DType::F32),
+        unary(UnaryOp::Exp, DType::F64)
+    );
+}
+
+#[test]
+fn traced_graphs_have_equal_fingerprints() {
+    let a = trace(&[f32t(&[2, 5])], model).unwrap();
+    let b = trace(&[f32t(&[2, 5])], model).unwrap();
+    assert_eq!(a.graph.fingerprint(), b.graph.fingerprint());
+    let c = trace(&[f32t(&[2, 6])], model).unwrap();
+    assert_ne!(a.graph.fingerprint(), c.graph.fingerprint());
+}
+
+/// The fingerprint is a persistent cache key: it must not change between runs, builds or
+/// platforms. If this fails after an intentional change of the IR or the hashing, update the
+/// value (and know that on-disk caches are invalidated).
+#[test]
+fn fingerprint_golden_value() {
+    assert_eq!(
+        build("base").fingerprint().to_hex(),
+        "cc24683f5c6b9629f632cef0fb4651f8669ca07690a0c84a992da6547390eaff"
+    );
+}

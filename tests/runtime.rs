@@ -1,0 +1,280 @@
+//! Runtime behaviour: resident variables, donation, trace modes, the on-disk executable cache,
+//! and sharing across threads. Checked through the runtime's metrics.
+
+use kiln::backend::eager::EagerBackend;
+use kiln::backend::xla::XlaBackend;
+use kiln::backend::Backend;
+use kiln::nn::{Init, Linear, Module, ParamStore, Relu, Sequential};
+use kiln::runtime::ExecutableCache;
+use kiln::{compile, compile_with, DType, Runtime, Tensor, TraceMode};
+use std::path::PathBuf;
+
+fn mlp(seed: u64) -> kiln::Result<(ParamStore, Sequential)> {
+    let store = ParamStore::with_seed(seed);
+    let root = store.root();
+    let m = Sequential::new()
+        .add(Linear::new(&root.sub("0"), 10, 32, true)?)
+        .add(Relu)
+        .add(Linear::new(&root.sub("2"), 32, 10, true)?);
+    Ok((store, m))
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let (a, b) = (a.to_f64_vec().unwrap(), b.to_f64_vec().unwrap());
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kiln-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn parameters_stay_on_the_device() -> kiln::Result<()> {
+    let (store, m) = mlp(1)?;
+    let param_bytes: usize = store
+        .vars()
+        .iter()
+        .map(|(_, t)| t.ty().size_in_bytes())
+        .sum();
+    let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![m.forward(&xs[0])?])
+    });
+    let x = Tensor::randn(&[4, 10], 2)?;
+    f.run(std::slice::from_ref(&x))?;
+    let first = f.stats();
+    assert_eq!(
+        first.h2d_bytes as usize,
+        param_bytes + x.ty().size_in_bytes()
+    );
+    for _ in 0..5 {
+        f.run(std::slice::from_ref(&x))?;
+    }
+    let d = f.stats().since(&first);
+    // Per call: only the batch goes in, only the output comes out.
+    assert_eq!(d.h2d_bytes as usize, 5 * x.ty().size_in_bytes());
+    assert_eq!(d.h2d_transfers, 5);
+    assert_eq!(d.d2h_bytes as usize, 5 * 4 * 10 * 4);
+    assert_eq!((d.executions, d.compiles, d.traces), (5, 0, 0));
+    Ok(())
+}
+
+/// A module with a buffer that counts calls: `count += 1` each forward (like BatchNorm's
+/// `num_batches_tracked`), plus a running sum of the input.
+struct Counter {
+    count: Tensor,
+    total: Tensor,
+}
+
+impl Module for Counter {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> kiln::Result<Tensor> {
+        self.count.assign(&self.count.add_scalar(1.0)?)?;
+        self.total.assign(&self.total.add(&x.sum_all()?)?)?;
+        x.mul_scalar(2.0)
+    }
+}
+
+#[test]
+fn state_updates_are_donated_and_synced_on_request() -> kiln::Result<()> {
+    let store = ParamStore::new();
+    let c = Counter {
+        count: store
+            .root()
+            .buffer("count", &[], Init::Const(0.0), DType::F32)?,
+        total: store
+            .root()
+            .buffer("total", &[], Init::Const(0.0), DType::F64)?,
+    };
+    let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![c.forward(&xs[0])?])
+    });
+    let x = Tensor::from_slice(&[3], &[1.0f64, 2.0, 3.5])?;
+    for _ in 0..4 {
+        let y = f.run(std::slice::from_ref(&x))?;
+        assert_eq!(y[0].to_f64_vec()?, vec![2.0, 4.0, 7.0]);
+    }
+    // The store still holds the initial values: updates live on the device.
+    assert_eq!(store.get("count").unwrap().to_scalar()?, 0.0);
+    f.sync_to_store()?;
+    assert_eq!(store.get("count").unwrap().to_scalar()?, 4.0);
+    assert_eq!(store.get("total").unwrap().to_scalar()?, 4.0 * 6.5);
+    // Each call after the first replaced two donated buffers (the first call's inputs were the
+    // uploaded initial values, donated too).
+    assert_eq!(f.stats().donated, 2 * 4);
+    Ok(())
+}
+
+#[test]
+fn trace_every_call_compiles_once() -> kiln::Result<()> {
+    let (_s, m) = mlp(3)?;
+    let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![m.forward(&xs[0])?])
+    })
+    .with_mode(TraceMode::EveryCall);
+    let x = Tensor::randn(&[2, 10], 4)?;
+    for _ in 0..6 {
+        f.run(std::slice::from_ref(&x))?;
+    }
+    let s = f.stats();
+    assert_eq!((s.traces, s.compiles, s.executions), (6, 1, 6));
+    assert_eq!(s.cache_hits, 5);
+    Ok(())
+}
+
+fn run_with_cache(
+    cache: ExecutableCache<XlaBackend>,
+    seed: u64,
+) -> kiln::Result<(kiln::Stats, Tensor, Tensor)> {
+    let (_s, m) = mlp(seed)?;
+    let x = Tensor::randn(&[3, 10], 9)?;
+    let eager = tch::no_grad(|| m.forward(&x))?;
+    let rt = Runtime::with_cache(XlaBackend::new()?, cache);
+    let mut f = compile_with(rt, move |xs: &[Tensor]| Ok(vec![m.forward(&xs[0])?]));
+    let y = f.run(&[x])?.remove(0);
+    Ok((f.stats(), y, eager))
+}
+
+#[test]
+fn disk_cache_serves_a_fresh_cache_and_survives_corruption() -> kiln::Result<()> {
+    let dir = tmpdir("disk");
+    let (s1, y1, e1) = run_with_cache(ExecutableCache::with_dir(&dir)?, 5)?;
+    assert_eq!((s1.compiles, s1.disk_hits, s1.disk_writes), (1, 0, 1));
+    assert!(max_diff(&y1, &e1) < 1e-5);
+    // A fresh in-memory cache over the same directory (what a new process sees).
+    let (s2, y2, e2) = run_with_cache(ExecutableCache::with_dir(&dir)?, 5)?;
+    assert_eq!((s2.compiles, s2.disk_hits), (0, 1));
+    assert!(max_diff(&y2, &e2) < 1e-5);
+    // Truncate the entry: detected, recompiled, rewritten, still correct.
+    let entry = std::fs::read_dir(&dir)
+        .map_err(|e| kiln::Error::io(&dir, e))?
+        .filter_map(|e| e.ok())
+        .find(|e| e.path().extension().is_some_and(|x| x == "kxe"))
+        .expect("a cache entry")
+        .path();
+    let len = std::fs::metadata(&entry).unwrap().len();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&entry)
+        .unwrap();
+    f.set_len(len / 2).unwrap();
+    drop(f);
+    let (s3, y3, e3) = run_with_cache(ExecutableCache::with_dir(&dir)?, 5)?;
+    assert_eq!(
+        (s3.compiles, s3.disk_hits, s3.disk_rejected, s3.disk_writes),
+        (1, 0, 1, 1)
+    );
+    assert!(max_diff(&y3, &e3) < 1e-5);
+    // Garbage of the right length is rejected by the checksum.
+    let mut bytes = std::fs::read(&entry).unwrap();
+    let n = bytes.len();
+    bytes[n - 10] ^= 0xFF;
+    std::fs::write(&entry, &bytes).unwrap();
+    let (s4, _, _) = run_with_cache(ExecutableCache::with_dir(&dir)?, 5)?;
+    assert_eq!((s4.compiles, s4.disk_rejected), (1, 1));
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// Run by `a_second_process_compiles_nothing` in a child process.
+#[test]
+fn child_process_entry() -> kiln::Result<()> {
+    let Ok(dir) = std::env::var("KILN_TEST_CHILD_CACHE") else {
+        return Ok(());
+    };
+    let (s, y, e) = run_with_cache(ExecutableCache::with_dir(dir)?, 11)?;
+    println!(
+        "CHILD compiles={} disk_hits={} diff={:e}",
+        s.compiles,
+        s.disk_hits,
+        max_diff(&y, &e)
+    );
+    Ok(())
+}
+
+#[test]
+fn a_second_process_compiles_nothing() -> kiln::Result<()> {
+    let dir = tmpdir("proc");
+    let child = |dir: &PathBuf| -> String {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "child_process_entry",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("KILN_TEST_CHILD_CACHE", dir)
+            .output()
+            .expect("spawn child");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "child failed: {text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The harness may print its own progress on the same line: take what follows CHILD.
+        let at = text
+            .find("CHILD")
+            .unwrap_or_else(|| panic!("no child report in: {text}"));
+        text[at..].lines().next().unwrap_or_default().to_string()
+    };
+    let first = child(&dir);
+    assert!(first.contains("compiles=1 disk_hits=0"), "{first}");
+    let second = child(&dir);
+    assert!(second.contains("compiles=0 disk_hits=1"), "{second}");
+    let diff: f64 = second.rsplit("diff=").next().unwrap().parse().unwrap();
+    assert!(diff < 1e-5, "{second}");
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+#[test]
+fn two_models_on_two_threads_share_backend_and_cache() -> kiln::Result<()> {
+    let backend = XlaBackend::new()?;
+    let cache: ExecutableCache<XlaBackend> = ExecutableCache::in_memory();
+    let handles: Vec<_> = (0..2u64)
+        .map(|t| {
+            let (backend, cache) = (backend.clone(), cache.clone());
+            std::thread::spawn(move || -> kiln::Result<f64> {
+                let (_s, m) = mlp(20 + t)?;
+                let x = Tensor::randn(&[2 + t as usize, 10], t)?;
+                let eager = tch::no_grad(|| m.forward(&x))?;
+                let mut f = compile_with(
+                    Runtime::with_cache(backend, cache),
+                    move |xs: &[Tensor]| Ok(vec![m.forward(&xs[0])?]),
+                );
+                let mut worst: f64 = 0.0;
+                for _ in 0..20 {
+                    let y = f.run(std::slice::from_ref(&x))?.remove(0);
+                    worst = worst.max(max_diff(&y, &eager));
+                }
+                Ok(worst)
+            })
+        })
+        .collect();
+    for h in handles {
+        let worst = h.join().expect("thread panicked")?;
+        assert!(worst < 1e-5, "{worst}");
+    }
+    // Different batch sizes: two graphs in the shared cache.
+    assert_eq!(cache.len(), 2);
+    Ok(())
+}
+
+#[test]
+fn eager_backend_runs_the_same_programs() -> kiln::Result<()> {
+    let (_s, m) = mlp(8)?;
+    let x = Tensor::randn(&[2, 10], 1)?;
+    let eager = tch::no_grad(|| m.forward(&x))?;
+    let mut f = compile(EagerBackend::new(), move |xs: &[Tensor]| {
+        Ok(vec![m.forward(&xs[0])?])
+    });
+    let y = f.run(&[x])?.remove(0);
+    assert!(max_diff(&y, &eager) < 1e-6);
+    assert_eq!(EagerBackend::new().name(), "eager");
+    Ok(())
+}

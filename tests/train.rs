@@ -1,0 +1,333 @@
+//! `TrainStep`: parity with the eager (libtorch autograd) baseline, executables per step,
+//! device residency, donation, state updates and randomness.
+
+use kiln::backend::eager::EagerBackend;
+use kiln::backend::xla::XlaBackend;
+use kiln::backend::Backend;
+use kiln::nn::{Init, Linear, Module, ParamStore};
+use kiln::optim::{AdamW, Optimizer, Sgd};
+use kiln::train::{EagerTrainStep, TrainMode, TrainStep};
+use kiln::{trace, DType, Tensor, TensorType, TraceMode};
+
+/// A 2-layer MLP with a tanh, and a running-mean buffer updated in training mode (the same
+/// mechanism BatchNorm uses).
+struct Net {
+    l1: Linear,
+    l2: Linear,
+    running: Tensor,
+    dropout: f64,
+}
+
+impl Net {
+    fn new(store: &ParamStore, dropout: f64) -> kiln::Result<Net> {
+        let r = store.root();
+        Ok(Net {
+            l1: Linear::new(&r.sub("l1"), 6, 16, true)?,
+            l2: Linear::new(&r.sub("l2"), 16, 3, true)?,
+            running: r.buffer("running", &[16], Init::Const(0.0), DType::F32)?,
+            dropout,
+        })
+    }
+}
+
+impl Module for Net {
+    fn forward_t(&self, x: &Tensor, train: bool) -> kiln::Result<Tensor> {
+        let h = self.l1.forward(x)?.tanh()?;
+        if train {
+            let m = h.mean(&[0], false)?.detach()?;
+            self.running
+                .assign(&self.running.mul_scalar(0.9)?.add(&m.mul_scalar(0.1)?)?)?;
+        }
+        let h = h.dropout(self.dropout, train)?;
+        self.l2.forward(&h)
+    }
+}
+
+fn loss_of(net: &Net, xs: &[Tensor]) -> kiln::Result<Tensor> {
+    net.forward_t(&xs[0], true)?
+        .sub(&xs[1])?
+        .square()?
+        .mean_all()
+}
+
+fn batch(seed: u64) -> kiln::Result<Vec<Tensor>> {
+    Ok(vec![
+        Tensor::randn(&[8, 6], seed)?,
+        Tensor::randn(&[8, 3], seed + 100)?,
+    ])
+}
+
+fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-12);
+    num / den
+}
+
+fn store_values(store: &ParamStore) -> Vec<(String, Vec<f64>)> {
+    store
+        .vars()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_f64_vec().unwrap()))
+        .collect()
+}
+
+fn compare_with_eager<O: Optimizer + Copy + 'static>(
+    opt: O,
+    mode: TrainMode,
+    lr: f64,
+) -> kiln::Result<()> {
+    let eager_store = ParamStore::with_seed(3);
+    let eager_net = Net::new(&eager_store, 0.0)?;
+    let mut eager =
+        EagerTrainStep::new(&eager_store, opt, move |xs| loss_of(&eager_net, xs))?.with_lr(lr);
+
+    let store = ParamStore::with_seed(3);
+    let net = Net::new(&store, 0.0)?;
+    let mut step = TrainStep::new(XlaBackend::new()?, &store, opt, move |xs| loss_of(&net, xs))?
+        .with_mode(mode)
+        .with_lr(lr);
+    for s in 0..5 {
+        let b = batch(s)?;
+        let le = eager.step(&b)?;
+        let lc = step.step(&b)?;
+        assert!(
+            (le - lc).abs() <= 1e-5 * le.abs().max(1.0),
+            "{mode:?} step {s}: loss {lc} vs eager {le}"
+        );
+    }
+    step.sync_to_store()?;
+    for ((name, got), (_, want)) in store_values(&store).iter().zip(store_values(&eager_store)) {
+        let e = rel_err(got, &want);
+        assert!(e < 1e-5, "{mode:?}: {name} differs from eager by {e:e}");
+    }
+    assert_eq!(
+        step.executables_per_step(),
+        Some(if mode == TrainMode::Split { 3 } else { 1 })
+    );
+    Ok(())
+}
+
+#[test]
+fn sgd_momentum_nesterov_matches_eager_split_and_fused() -> kiln::Result<()> {
+    let opt = Sgd::new().momentum(0.9).nesterov(true).weight_decay(1e-2);
+    compare_with_eager(opt, TrainMode::Split, 0.05)?;
+    compare_with_eager(opt, TrainMode::Fused, 0.05)
+}
+
+#[test]
+fn adamw_matches_eager_split_and_fused() -> kiln::Result<()> {
+    let opt = AdamW::default();
+    compare_with_eager(opt, TrainMode::Split, 1e-2)?;
+    compare_with_eager(opt, TrainMode::Fused, 1e-2)
+}
+
+#[test]
+fn executables_transfers_and_donation_per_step() -> kiln::Result<()> {
+    for mode in [TrainMode::Split, TrainMode::Fused] {
+        let store = ParamStore::with_seed(1);
+        let net = Net::new(&store, 0.0)?;
+        let n_params = store.trainable().len() as u64;
+        let mut step = TrainStep::new(
+            XlaBackend::new()?,
+            &store,
+            Sgd::new().momentum(0.9),
+            move |xs| loss_of(&net, xs),
+        )?
+        .with_mode(mode)
+        .with_lr(0.01);
+        let b = batch(0)?;
+        let batch_bytes: usize = b.iter().map(|t| t.ty().size_in_bytes()).sum();
+        step.step(&b)?;
+        step.step(&b)?;
+        let before = step.stats();
+        for _ in 0..10 {
+            step.step(&b)?;
+        }
+        let d = step.stats().since(&before);
+        let per_step = if mode == TrainMode::Split { 3 } else { 1 };
+        assert_eq!(d.executions, 10 * per_step, "{mode:?}");
+        // Steady state: only the batch goes in, only the loss comes out.
+        assert_eq!(d.h2d_bytes as usize, 10 * batch_bytes, "{mode:?}: {d}");
+        assert_eq!(d.d2h_bytes, 10 * 4, "{mode:?}: {d}");
+        assert_eq!(d.syncs, 10, "{mode:?}");
+        assert_eq!((d.traces, d.compiles), (0, 0));
+        // Donated per step: every parameter, its momentum buffer, the step count and the
+        // running-mean buffer, as PJRT reports the inputs deleted.
+        assert_eq!(d.donated, 10 * (2 * n_params + 2), "{mode:?}: {d}");
+        // Without reading the loss there is no sync at all.
+        let before = step.stats();
+        for _ in 0..5 {
+            step.step_async(&b)?;
+        }
+        let d = step.stats().since(&before);
+        assert_eq!((d.syncs, d.d2h_bytes), (0, 0), "{mode:?}");
+        step.last_loss()?;
+    }
+    Ok(())
+}
+
+#[test]
+fn state_updates_match_eager_and_lr_changes_do_not_recompile() -> kiln::Result<()> {
+    let eager_store = ParamStore::with_seed(4);
+    let en = Net::new(&eager_store, 0.0)?;
+    let mut eager =
+        EagerTrainStep::new(&eager_store, Sgd::new(), move |xs| loss_of(&en, xs))?.with_lr(0.1);
+    let store = ParamStore::with_seed(4);
+    let net = Net::new(&store, 0.0)?;
+    let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
+        loss_of(&net, xs)
+    })?
+    .with_mode(TrainMode::Fused)
+    .with_lr(0.1);
+    for s in 0..6 {
+        let lr = 0.1 / (1.0 + s as f64);
+        eager.set_lr(lr);
+        step.set_lr(lr);
+        let b = batch(10 + s)?;
+        eager.step(&b)?;
+        step.step(&b)?;
+    }
+    assert_eq!(step.stats().compiles, 1);
+    // The store is refreshed only on request.
+    assert_eq!(store.get("running").unwrap().to_f64_vec()?, vec![0.0; 16]);
+    step.sync_to_store()?;
+    let got = store.get("running").unwrap().to_f64_vec()?;
+    let want = eager_store.get("running").unwrap().to_f64_vec()?;
+    assert!(rel_err(&got, &want) < 1e-5);
+    let got = store.get("l1.weight").unwrap().to_f64_vec()?;
+    let want = eager_store.get("l1.weight").unwrap().to_f64_vec()?;
+    assert!(rel_err(&got, &want) < 1e-5);
+    Ok(())
+}
+
+#[test]
+fn dropout_masks_are_identical_on_both_backends_and_change_per_key() -> kiln::Result<()> {
+    let traced = trace(&[TensorType::new(DType::F32, [64, 32])], |xs| {
+        Ok(vec![xs[0].dropout(0.5, true)?])
+    })?;
+    let g = &traced.graph;
+    let x = Tensor::randn(&[64, 32], 5)?.to_host()?;
+    let run = |key: [u32; 2]| -> kiln::Result<(Vec<f64>, Vec<f64>)> {
+        let k = kiln::backend::HostTensor::from_slice(&[2], &key)?;
+        let inputs = [x.clone(), k];
+        let e = EagerBackend::new();
+        let ee = e.compile(g)?;
+        let eb: Vec<_> = inputs
+            .iter()
+            .map(|h| e.to_device(h))
+            .collect::<kiln::Result<_>>()?;
+        let eo = e.execute(&ee, &eb.iter().collect::<Vec<_>>())?;
+        let xla = XlaBackend::new()?;
+        let xe = xla.compile(g)?;
+        let xb: Vec<_> = inputs
+            .iter()
+            .map(|h| xla.to_device(h))
+            .collect::<kiln::Result<_>>()?;
+        let xo = xla.execute(&xe, &xb.iter().collect::<Vec<_>>())?;
+        Ok((
+            e.to_host(&eo[0])?.to_f64_vec(),
+            xla.to_host(&xo[0])?.to_f64_vec(),
+        ))
+    };
+    let (e1, x1) = run([7, 0])?;
+    let mask = |v: &[f64]| v.iter().map(|&a| a != 0.0).collect::<Vec<bool>>();
+    assert_eq!(
+        mask(&e1),
+        mask(&x1),
+        "eager interpreter and XLA draw different masks"
+    );
+    let max = e1
+        .iter()
+        .zip(&x1)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(max < 1e-6);
+    let kept = mask(&e1).iter().filter(|&&k| k).count() as f64 / e1.len() as f64;
+    assert!((kept - 0.5).abs() < 0.06, "kept fraction {kept}");
+    let (e2, x2) = run([7, 1])?;
+    assert_eq!(mask(&e2), mask(&x2));
+    assert_ne!(mask(&e1), mask(&e2), "a new key must give a new mask");
+    Ok(())
+}
+
+#[test]
+fn dropout_training_split_and_fused_draw_the_same_masks() -> kiln::Result<()> {
+    let mut losses = Vec::new();
+    for mode in [TrainMode::Split, TrainMode::Fused] {
+        let store = ParamStore::with_seed(9);
+        let net = Net::new(&store, 0.3)?;
+        let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
+            loss_of(&net, xs)
+        })?
+        .with_mode(mode)
+        .with_lr(0.05)
+        .with_seed(123)?;
+        let mut l = Vec::new();
+        for s in 0..4 {
+            l.push(step.step(&batch(s)?)?);
+        }
+        losses.push(l);
+    }
+    for (a, b) in losses[0].iter().zip(&losses[1]) {
+        assert!((a - b).abs() < 1e-5, "{losses:?}");
+    }
+    // Masks change between steps: same batch, different dropout -> losses differ.
+    let store = ParamStore::with_seed(9);
+    let net = Net::new(&store, 0.3)?;
+    let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
+        loss_of(&net, xs)
+    })?
+    .with_lr(0.0)
+    .with_seed(5)?;
+    let b = batch(0)?;
+    let (l1, l2) = (step.step(&b)?, step.step(&b)?);
+    assert!(
+        (l1 - l2).abs() > 1e-7,
+        "lr 0, same batch: only the mask can change the loss"
+    );
+    Ok(())
+}
+
+#[test]
+fn trace_every_step_retraces_but_compiles_once() -> kiln::Result<()> {
+    let store = ParamStore::with_seed(2);
+    let net = Net::new(&store, 0.0)?;
+    let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
+        loss_of(&net, xs)
+    })?
+    .with_trace_mode(TraceMode::EveryCall)
+    .with_lr(0.01);
+    let b = batch(1)?;
+    for _ in 0..5 {
+        step.step(&b)?;
+    }
+    let s = step.stats();
+    assert_eq!(s.traces, 5);
+    assert_eq!(
+        s.compiles, 3,
+        "forward, backward, optimizer compiled once each"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_loss_without_parameters_is_an_error() -> kiln::Result<()> {
+    let store = ParamStore::new();
+    let mut step = TrainStep::new(
+        EagerBackend::new(),
+        &store,
+        Sgd::new(),
+        |xs: &[Tensor]| xs[0].sum_all(),
+    )?;
+    let err = step
+        .step(&[Tensor::randn(&[3], 0)?])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("trainable parameter"), "{err}");
+    Ok(())
+}
