@@ -20,7 +20,7 @@ use crate::ir::{
 use crate::nn::{Init, ParamStore};
 use crate::optim::Optimizer;
 use crate::passes::{dedup_outputs, simplify, OutputSource};
-use crate::runtime::{Runtime, Stats};
+use crate::runtime::{ExecutableCache, Runtime, Stats};
 use crate::trace::{trace, Binding, Tensor, VarKind};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -148,6 +148,13 @@ impl<B: Backend> TrainStep<B> {
             last: None,
             steps: 0,
         })
+    }
+
+    /// Uses `cache` for executables (e.g. an on-disk [`ExecutableCache::with_dir`], or one shared
+    /// with other steps). Call before the first step.
+    pub fn with_cache(mut self, cache: ExecutableCache<B>) -> Self {
+        self.rt = Runtime::with_cache(self.rt.into_backend(), cache);
+        self
     }
 
     /// Split or fused (default [`TrainMode::Split`]).
@@ -486,9 +493,13 @@ impl<B: Backend> TrainStep<B> {
                         aliases.push((i, 1 + k));
                     }
                 }
+                let param_nodes: Vec<(NodeId, Tensor)> = params
+                    .iter()
+                    .map(|(i, t)| (g.inputs()[*i].node, t.clone()))
+                    .collect();
                 self.add_updates(
                     &mut g,
-                    &params,
+                    &param_nodes,
                     &grads,
                     &mut inputs,
                     &mut outputs,
@@ -609,7 +620,7 @@ impl<B: Backend> TrainStep<B> {
                 let mut outputs = Vec::new();
                 let mut slots = Vec::new();
                 let mut aliases = Vec::new();
-                self.add_updates_on(
+                self.add_updates(
                     &mut g,
                     &opt_params,
                     &grads,
@@ -628,28 +639,10 @@ impl<B: Backend> TrainStep<B> {
         })
     }
 
-    /// Adds the optimizer update of every parameter (given as graph inputs at `params[i].0`)
-    /// to `g`, for the fused graph.
+    /// Adds the optimizer update of every parameter (`params`: its node in `g` and its
+    /// variable) to `g`, with the step count and learning rate as resident inputs.
     #[allow(clippy::too_many_arguments)]
     fn add_updates(
-        &mut self,
-        g: &mut Graph,
-        params: &[(usize, Tensor)],
-        grads: &[NodeId],
-        inputs: &mut Vec<Slot>,
-        outputs: &mut Vec<NodeId>,
-        slots: &mut Vec<Slot>,
-        aliases: &mut Vec<(usize, usize)>,
-    ) -> Result<()> {
-        let p: Vec<(NodeId, Tensor)> = params
-            .iter()
-            .map(|(i, t)| (g.inputs()[*i].node, t.clone()))
-            .collect();
-        self.add_updates_on(g, &p, grads, inputs, outputs, slots, aliases)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn add_updates_on(
         &mut self,
         g: &mut Graph,
         params: &[(NodeId, Tensor)],

@@ -50,6 +50,11 @@ impl<B: Backend> Runtime<B> {
         }
     }
 
+    /// Gives the backend back (dropping the device state).
+    pub fn into_backend(self) -> B {
+        self.backend
+    }
+
     /// The backend.
     pub fn backend(&self) -> &B {
         &self.backend

@@ -72,6 +72,19 @@ pub struct XlaExecutable {
 }
 
 impl XlaExecutable {
+    fn new(exe: pjrt::LoadedExecutable, graph: &Graph, mlir: String) -> Self {
+        XlaExecutable {
+            exe,
+            inputs: graph
+                .inputs()
+                .iter()
+                .map(|i| (i.name.clone(), i.ty.clone()))
+                .collect(),
+            outputs: graph.output_types(),
+            mlir,
+        }
+    }
+
     /// The StableHLO text this executable was compiled from.
     pub fn mlir(&self) -> &str {
         &self.mlir
@@ -165,16 +178,7 @@ impl XlaBackend {
                 graph.outputs().len()
             )));
         }
-        Ok(XlaExecutable {
-            exe,
-            inputs: graph
-                .inputs()
-                .iter()
-                .map(|i| (i.name.clone(), i.ty.clone()))
-                .collect(),
-            outputs: graph.output_types(),
-            mlir: String::new(),
-        })
+        Ok(XlaExecutable::new(exe, graph, String::new()))
     }
 }
 
@@ -190,16 +194,7 @@ impl Backend for XlaBackend {
         graph.verify()?;
         let mlir = lower::lower(graph)?;
         let exe = self.compile_mlir(&mlir)?;
-        Ok(XlaExecutable {
-            exe,
-            inputs: graph
-                .inputs()
-                .iter()
-                .map(|i| (i.name.clone(), i.ty.clone()))
-                .collect(),
-            outputs: graph.output_types(),
-            mlir,
-        })
+        Ok(XlaExecutable::new(exe, graph, mlir))
     }
 
     fn execute(&self, exe: &XlaExecutable, inputs: &[&XlaBuffer]) -> Result<Vec<XlaBuffer>> {
