@@ -8,11 +8,12 @@
 bootstrap:
 	@bash scripts/bootstrap.sh
 
-# The main job: the benchmark harness on the zoo's default subset, inference (training
-# joins once kiln::train lands; the seeds' tables; CSV copies under target/). `--all` runs the whole zoo; see
+# The main job: the benchmark harness on the zoo's default subset, inference then training
+# (the seeds' tables; CSV copies under target/). `--all` runs the whole zoo; see
 # `cargo run --release --example bench -- --help`.
 bench: bootstrap
 	cargo run --release --example bench -- --csv target/bench-inference.csv
+	cargo run --release --example bench -- --training --csv target/bench-training.csv
 
 # The test suite.
 test: bootstrap
