@@ -15,7 +15,7 @@
 //! - [`nn`]: modules, functional ops ([`nn::functional`]), the [`nn::ParamStore`] and
 //!   safetensors weights.
 //! - [`zoo`]: the benchmark's models (torchvision CNNs, BERT, ViT, LinearModel).
-//! - [`bench`]: the benchmark harness (the `bench` example).
+//! - [`bench`](mod@bench): the benchmark harness (the `bench` example).
 //!
 //! ```no_run
 //! use kiln::backend::xla::XlaBackend;

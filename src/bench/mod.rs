@@ -49,7 +49,9 @@ pub mod stats;
 mod train;
 pub mod user;
 
-pub use accuracy::{compare, Accuracy, AccuracyStatus, Reference, Tolerance, UPDATE_TOLERANCE};
+pub use accuracy::{
+    compare, Accuracy, AccuracyStatus, Reference, Tolerance, NORM_RTOL, UPDATE_TOLERANCE,
+};
 pub use registry::{BackendEntry, BackendRegistry};
 pub use report::{Column, ModelRow, Report, VariantResult};
 pub use user::{ModelSpec, UserModelSpec};
