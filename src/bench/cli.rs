@@ -87,7 +87,9 @@ pub struct Cli {
     #[arg(long)]
     pub fused: bool,
 
-    /// Iterations in each timed run, with one sync (result read back) at its end.
+    /// Iterations in each timed run, with one sync (result read back) at its end. Training:
+    /// compiled steps before the last run without waiting. Inference: a compiled call returns
+    /// host tensors, so every call waits for its result.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub iterations_per_run: usize,
 
