@@ -28,9 +28,9 @@ impl Tolerance {
         min_cosine: 0.999,
     };
 
-    /// Training: the loss after the warm-up steps, `allclose(rtol = 1e-3, atol = 1e-5)` (a
-    /// scalar, so no cosine). The parameter updates are checked too, see
-    /// [`UPDATE_TOLERANCE`].
+    /// Training: the loss of the first step, `allclose(rtol = 1e-3, atol = 1e-5)` (a scalar,
+    /// so no cosine). The first step's parameter update is checked too, see
+    /// [`UPDATE_RTOL`].
     pub const TRAINING: Tolerance = Tolerance {
         rtol: 1e-3,
         atol: 1e-5,
@@ -53,14 +53,18 @@ impl Tolerance {
     }
 }
 
-/// Training: how closely each parameter's update after the warm-up steps (the sum and the L2
-/// norm of its change) must agree with the reference's: `allclose(rtol = 1e-2, atol = 1e-7)` or
-/// cosine ≥ 0.999 over all of them (with norms within [`NORM_RTOL`]).
-pub const UPDATE_TOLERANCE: Tolerance = Tolerance {
-    rtol: 1e-2,
-    atol: 1e-7,
-    min_cosine: 0.999,
-};
+/// Training: the relative L2 error `‖Δc − Δe‖ / ‖Δe‖` allowed between the first step's
+/// parameter updates (`Δ` = new − initial value, over all trainable parameters together), or
+/// five times the reference's own rounding noise if that is larger: the relative change of the
+/// reference's update when its inputs are multiplied by `1 + 1e-7·ξ` (a float32 rounding-sized
+/// change).
+///
+/// The seeds' loss (the mean of the logits) cancels almost completely through deep
+/// batch-normalized networks: such a perturbation moves resnet50's update by 2.3e-2 and
+/// mnasnet1_0's by 2.4e-2 (XLA differs from the reference by 3.1e-2 and 2.3e-2), resnet18's
+/// by 2.6e-5 (XLA: 3.4e-5). Only the first step is compared: later steps amplify rounding
+/// chaotically (updates agreeing to 2e-3 give second-step losses 27 % apart on mnasnet1_0).
+pub const UPDATE_RTOL: f64 = 1e-2;
 
 /// The outcome of one accuracy check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,6 +108,11 @@ pub struct Accuracy {
     pub reference: Reference,
     /// The largest `|compiled - eager|` over the elements (worst over all checks).
     pub max_abs_diff: f64,
+    /// The relative L2 error `‖compiled − eager‖ / ‖eager‖` (worst over all checks).
+    pub rel_err: f64,
+    /// Training: the relative L2 error of the first step's parameter update, all parameters
+    /// together (see [`UPDATE_RTOL`]).
+    pub update_rel_err: Option<f64>,
     /// The cosine similarity (worst over all checks).
     pub cosine: f64,
 }
@@ -133,6 +142,11 @@ impl Accuracy {
                 other.reference
             },
             max_abs_diff: nan_max(self.max_abs_diff, other.max_abs_diff),
+            rel_err: nan_max(self.rel_err, other.rel_err),
+            update_rel_err: match (self.update_rel_err, other.update_rel_err) {
+                (Some(a), Some(b)) => Some(nan_max(a, b)),
+                (a, b) => a.or(b),
+            },
             cosine: nan_min(self.cosine, other.cosine),
         }
     }
@@ -161,13 +175,15 @@ pub fn compare(eager: &[f64], compiled: &[f64], tol: &Tolerance) -> Accuracy {
             status: AccuracyStatus::Fail,
             reference: Reference::Eager,
             max_abs_diff: f64::NAN,
+            rel_err: f64::NAN,
+            update_rel_err: None,
             cosine: f64::NAN,
         };
     }
     let mut max_abs = 0.0f64;
     let mut close = true;
     let mut finite_ok = true;
-    let (mut dot, mut ne, mut nc) = (0.0f64, 0.0f64, 0.0f64);
+    let (mut dot, mut ne, mut nc, mut nd) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     for (&e, &c) in eager.iter().zip(compiled) {
         if e.is_finite() && !c.is_finite() {
             finite_ok = false;
@@ -187,6 +203,7 @@ pub fn compare(eager: &[f64], compiled: &[f64], tol: &Tolerance) -> Accuracy {
             dot += e * c;
             ne += e * e;
             nc += c * c;
+            nd += (c - e) * (c - e);
         }
     }
     let cosine = if ne == 0.0 && nc == 0.0 {
@@ -207,7 +224,73 @@ pub fn compare(eager: &[f64], compiled: &[f64], tol: &Tolerance) -> Accuracy {
         },
         reference: Reference::Eager,
         max_abs_diff: max_abs,
+        rel_err: relative(nd, ne),
+        update_rel_err: None,
         cosine,
+    }
+}
+
+/// `sqrt(diff2 / ref2)`, with 0/0 = 0 and x/0 = infinity.
+fn relative(diff2: f64, ref2: f64) -> f64 {
+    if ref2 > 0.0 {
+        (diff2 / ref2).sqrt()
+    } else if diff2 == 0.0 {
+        0.0
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// Compares two parameter updates (one tensor per parameter, same order) by their global
+/// relative L2 error against `rtol` (at least [`UPDATE_RTOL`], see the harness).
+pub(crate) fn compare_updates(
+    reference: &[tch::Tensor],
+    got: &[tch::Tensor],
+    rtol: f64,
+) -> Accuracy {
+    // The update's numbers go to `update_rel_err`; the output fields stay neutral so that
+    // merging with the loss check keeps the loss's.
+    let fail = Accuracy {
+        status: AccuracyStatus::Fail,
+        reference: Reference::Eager,
+        max_abs_diff: 0.0,
+        rel_err: 0.0,
+        update_rel_err: Some(f64::NAN),
+        cosine: 1.0,
+    };
+    if reference.len() != got.len() {
+        return fail;
+    }
+    let run = || -> std::result::Result<(f64, f64), tch::TchError> {
+        let _guard = tch::no_grad_guard();
+        let (mut diff2, mut ref2) = (0.0, 0.0);
+        for (r, g) in reference.iter().zip(got) {
+            let r = r.f_to_kind(tch::Kind::Double)?;
+            let g = g.f_to_kind(tch::Kind::Double)?;
+            let d = g.f_sub(&r)?;
+            diff2 += d
+                .f_square()?
+                .f_sum(tch::Kind::Double)?
+                .f_double_value(&[])?;
+            ref2 += r
+                .f_square()?
+                .f_sum(tch::Kind::Double)?
+                .f_double_value(&[])?;
+        }
+        Ok((diff2, ref2))
+    };
+    let Ok((diff2, ref2)) = run() else {
+        return fail;
+    };
+    let rel = relative(diff2, ref2);
+    Accuracy {
+        status: if rel <= rtol {
+            AccuracyStatus::Pass
+        } else {
+            AccuracyStatus::Fail
+        },
+        update_rel_err: Some(rel),
+        ..fail
     }
 }
 
@@ -245,6 +328,24 @@ mod tests {
         assert!(compare(&[2.0], &[2.001], &t).passed());
         assert!(!compare(&[2.0], &[2.01], &t).passed());
         assert!(t.describe().starts_with("allclose"));
+    }
+
+    #[test]
+    fn updates_by_relative_error() {
+        let t = |v: &[f32]| tch::Tensor::from_slice(v);
+        let a = vec![t(&[1.0, 2.0]), t(&[3.0])];
+        let close = vec![t(&[1.001, 2.0]), t(&[3.001])];
+        let off = vec![t(&[1.1, 2.0]), t(&[3.0])];
+        assert!(compare_updates(&a, &close, UPDATE_RTOL).passed());
+        let f = compare_updates(&a, &off, UPDATE_RTOL);
+        assert!(!f.passed());
+        let rel = f.update_rel_err.unwrap();
+        assert!((rel - 0.1 / 14f64.sqrt()).abs() < 1e-6, "{rel}");
+        assert!(!compare_updates(&a, &a[..1], UPDATE_RTOL).passed());
+        assert!(compare_updates(&a, &off, 0.1).passed());
+        let zero = vec![t(&[0.0])];
+        assert!(compare_updates(&zero, &zero, UPDATE_RTOL).passed());
+        assert!(!compare_updates(&zero, &[t(&[1.0])], UPDATE_RTOL).passed());
     }
 
     #[test]

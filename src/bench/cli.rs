@@ -34,9 +34,11 @@ repetitions are interleaved, each timed over --iterations-per-run iterations wit
 the end; speedup = median(eager) / median(compiled), with the p-value of Welch's t-test (SAME:
 p > 0.1); a geomean row closes the table. Accuracy: each compiled result is checked against
 eager: inference outputs allclose(rtol=1e-3, atol=1e-3) or (cosine >= 0.999 and norms within
-1%); training, after the warm-up steps from the same initial parameters: the loss
-allclose(rtol=1e-3, atol=1e-5) and each parameter's update (sum and norm of its change)
-allclose(rtol=1e-2, atol=1e-7) or cosine >= 0.999. Models with dropout are checked against
+1%); training, the first step from the same initial parameters: its loss allclose(rtol=1e-3,
+atol=1e-5) and its parameter update: relative L2 error over all parameters within
+max(1e-2, 5x the reference update's own change when its inputs move by float32 rounding;
+the seeds' mean-of-logits loss is ill-conditioned through deep batch-norm networks). Later
+steps amplify rounding chaotically, so they are not compared. Models with dropout are checked against
 kiln's eager graph interpreter (libtorch draws other masks), marked `vs graph interp`.
 
 User models: --only path:FILE,class:NAME builds a scratch crate that includes FILE (a Rust file
@@ -102,7 +104,8 @@ pub struct Cli {
     #[arg(long, default_value_t = 10, value_name = "N")]
     pub repeat: usize,
 
-    /// Warm-up calls per contender, excluded from the timings (training: at least 2).
+    /// Warm-up calls per contender, excluded from the timings (at least 1: the first traces,
+    /// compiles and is checked against eager).
     #[arg(long, default_value_t = 3, value_name = "N")]
     pub warmup: usize,
 

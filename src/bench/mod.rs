@@ -24,9 +24,9 @@
 //! 1. **Warm-up** (`warmup` calls, at least one; excluded from the timings): eager first, then
 //!    each variant from a fresh compiled function (or training step). A variant's first call
 //!    traces and compiles: its wall time is the reported *compile s*. The warm-up results are
-//!    the accuracy check: each compiled result is compared with eager's under
-//!    [`Tolerance`] (training: the loss after the warm-up steps, every run starting from the
-//!    same initial parameters).
+//!    the accuracy check against eager's under [`Tolerance`]: inference, every call's output;
+//!    training, the first step from the same initial parameters, its loss and its parameter
+//!    update ([`UPDATE_RTOL`]).
 //! 2. **Timed repetitions** (`repeat`): in each, eager and then every variant run
 //!    `iterations_per_run` iterations with one sync (reading the result back) at the end. The
 //!    runs are interleaved, so that frequency scaling and background load hit all of them
@@ -50,7 +50,7 @@ mod train;
 pub mod user;
 
 pub use accuracy::{
-    compare, Accuracy, AccuracyStatus, Reference, Tolerance, NORM_RTOL, UPDATE_TOLERANCE,
+    compare, Accuracy, AccuracyStatus, Reference, Tolerance, NORM_RTOL, UPDATE_RTOL,
 };
 pub use registry::{BackendEntry, BackendRegistry};
 pub use report::{Column, ModelRow, Report, VariantResult};
@@ -135,8 +135,8 @@ pub struct BenchOptions {
     pub randomize_input: bool,
     /// Timed repetitions (default 10).
     pub repeat: usize,
-    /// Warm-up calls per contender (default 3; at least 1, and at least 2 for training so that
-    /// the accuracy check covers an update).
+    /// Warm-up calls per contender (default 3; at least 1: the first is the compile and the
+    /// accuracy check).
     pub warmup: usize,
     /// Batch size; `None` uses [`default_batch_size`].
     pub batch_size: Option<usize>,

@@ -1,6 +1,7 @@
 //! The report: rows per model, the seeds' table layout and CSV.
 
-use super::accuracy::{Accuracy, Reference, Tolerance, UPDATE_TOLERANCE};
+use super::accuracy::{Accuracy, Reference, Tolerance, UPDATE_RTOL};
+use super::runner::UPDATE_NOISE_FACTOR;
 use super::stats::{geomean, SAME_THRESHOLD};
 use super::{Experiment, Variant};
 use crate::error::{Error, Result};
@@ -54,6 +55,10 @@ pub struct ModelRow {
     pub eager_ms: Option<f64>,
     /// Why the model has no result at all (it failed to build or to run eagerly).
     pub error: Option<String>,
+    /// Training: the reference's own rounding noise in the first step's update (its relative
+    /// L2 change when the inputs move by 1e-7 relative); the update check allows five times
+    /// this, or [`super::UPDATE_RTOL`] if larger.
+    pub update_noise: Option<f64>,
     /// One entry per variant, in [`Report::variants`] order.
     pub results: Vec<VariantResult>,
 }
@@ -120,16 +125,18 @@ fn accuracy_cell(r: &VariantResult) -> String {
         return "fail_to_run".into();
     }
     match &r.accuracy {
-        Some(a) => format!(
-            "{} (max|Δ| {:.1e}{})",
-            a.status,
-            a.max_abs_diff,
-            if a.reference == Reference::GraphInterpreter {
+        Some(a) => {
+            let numbers = match a.update_rel_err {
+                Some(u) => format!("loss |Δ| {:.1e}, update rel err {u:.1e}", a.max_abs_diff),
+                None => format!("rel err {:.1e}, max|Δ| {:.1e}", a.rel_err, a.max_abs_diff),
+            };
+            let interp = if a.reference == Reference::GraphInterpreter {
                 ", vs graph interp"
             } else {
                 ""
-            }
-        ),
+            };
+            format!("{} ({numbers}{interp})", a.status)
+        }
         None => String::new(),
     }
 }
@@ -153,12 +160,15 @@ impl Report {
                 c.push(col("compile s".into(), true, true));
                 c.push(col("accuracy".into(), true, false));
                 c.push(col("batch size".into(), false, true));
+                c.push(col("update noise".into(), false, true));
                 for v in &self.variants {
                     let s = v.short();
                     c.push(col(format!("compile s ({s})"), false, true));
                     c.push(col(format!("p ({s})"), false, true));
                     c.push(col(format!("ms ({s})"), false, true));
                     c.push(col(format!("max abs diff ({s})"), false, true));
+                    c.push(col(format!("rel err ({s})"), false, true));
+                    c.push(col(format!("update rel err ({s})"), false, true));
                     c.push(col(format!("traces ({s})"), false, true));
                     c.push(col(format!("compiles ({s})"), false, true));
                 }
@@ -168,8 +178,11 @@ impl Report {
                     c.push(col(v.label(&self.backend), true, false));
                 }
                 c.push(col("batch size".into(), false, true));
+                c.push(col("update noise".into(), false, true));
                 for v in &self.variants {
                     c.push(col(format!("max abs diff ({})", v.short()), false, true));
+                    c.push(col(format!("rel err ({})", v.short()), false, true));
+                    c.push(col(format!("update rel err ({})", v.short()), false, true));
                     c.push(col(format!("cosine ({})", v.short()), false, true));
                 }
             }
@@ -214,6 +227,11 @@ impl Report {
                 out.push(same(compile));
                 out.push(same(self.accuracy_summary(row)));
                 out.push(same(row.batch_size.to_string()));
+                out.push(same(
+                    row.update_noise
+                        .map(|n| format!("{n:.3e}"))
+                        .unwrap_or_default(),
+                ));
                 for r in results {
                     out.push(same(fmt_opt(r.compile_s, 4)));
                     out.push(same(fmt_opt(r.p_value, 4)));
@@ -221,6 +239,17 @@ impl Report {
                     out.push(same(
                         r.accuracy
                             .map(|a| format!("{:.3e}", a.max_abs_diff))
+                            .unwrap_or_default(),
+                    ));
+                    out.push(same(
+                        r.accuracy
+                            .map(|a| format!("{:.3e}", a.rel_err))
+                            .unwrap_or_default(),
+                    ));
+                    out.push(same(
+                        r.accuracy
+                            .and_then(|a| a.update_rel_err)
+                            .map(|u| format!("{u:.3e}"))
                             .unwrap_or_default(),
                     ));
                     let st = r.stats.as_ref();
@@ -243,10 +272,26 @@ impl Report {
                     out.push((s, csv));
                 }
                 out.push(same(row.batch_size.to_string()));
+                out.push(same(
+                    row.update_noise
+                        .map(|n| format!("{n:.3e}"))
+                        .unwrap_or_default(),
+                ));
                 for r in results {
                     out.push(same(
                         r.accuracy
                             .map(|a| format!("{:.3e}", a.max_abs_diff))
+                            .unwrap_or_default(),
+                    ));
+                    out.push(same(
+                        r.accuracy
+                            .map(|a| format!("{:.3e}", a.rel_err))
+                            .unwrap_or_default(),
+                    ));
+                    out.push(same(
+                        r.accuracy
+                            .and_then(|a| a.update_rel_err)
+                            .map(|u| format!("{u:.3e}"))
                             .unwrap_or_default(),
                     ));
                     out.push(same(
@@ -463,9 +508,10 @@ impl std::fmt::Display for Report {
         if self.training {
             writeln!(
                 f,
-                "accuracy: loss after the warm-up steps {}; each parameter's update (sum, norm) {}",
+                "accuracy: the first step's loss {} and its parameter update (relative L2 error \
+                 over all parameters <= max({UPDATE_RTOL:e}, {UPDATE_NOISE_FACTOR} x its change \
+                 when the inputs move by float32 rounding, 1e-7 relative))",
                 self.tolerance.describe(),
-                UPDATE_TOLERANCE.describe()
             )?;
         } else {
             writeln!(f, "accuracy: {}", self.tolerance.describe())?;
