@@ -31,13 +31,14 @@ pub type ConvRule = fn(&ConvAttrs, &TensorType, &TensorType) -> ConvLowering;
 
 /// Chooses the lowering of each convolution node; part of
 /// [`XlaOptions`](super::XlaOptions) and so of the backend's cache key.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub enum ConvStrategy {
     /// Always `stablehlo.convolution` (kiln's lowering before 0.1 performance work).
     Direct,
     /// Always im2col.
     Im2col,
     /// The measured default rule, [`ConvStrategy::auto_rule`].
+    #[default]
     Auto,
     /// A custom rule. `name` identifies it in the backend's cache key: give different rules
     /// different names.
@@ -47,12 +48,6 @@ pub enum ConvStrategy {
         /// The rule.
         rule: ConvRule,
     },
-}
-
-impl Default for ConvStrategy {
-    fn default() -> Self {
-        ConvStrategy::Auto
-    }
 }
 
 impl fmt::Debug for ConvStrategy {
