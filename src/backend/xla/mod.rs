@@ -6,8 +6,12 @@
 //! at build time through `.cargo/config.toml`). Any plugin with the same C API works, including
 //! GPU ones; nothing here assumes a CPU.
 
+pub mod conv;
 pub mod lower;
 pub mod pjrt;
+
+pub use conv::{ConvLowering, ConvRule, ConvStrategy};
+pub use pjrt::OptionValue;
 
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
@@ -96,10 +100,89 @@ impl XlaExecutable {
     }
 }
 
+/// How the XLA backend compiles: XLA debug options passed to the plugin with every compile,
+/// and the lowering strategy for convolutions.
+///
+/// [`XlaOptions::default`] holds the defaults measured best on the CPU plugin (see
+/// `examples/conv_profile.rs`); [`XlaOptions::plain`] is the plugin's own behaviour (no
+/// overrides, every convolution a `stablehlo.convolution`). Both parts are in the backend's
+/// [`cache_key`](Backend::cache_key), so executables cached on disk under other options are
+/// never reused.
+///
+/// ```no_run
+/// # use kiln::backend::xla::{XlaBackend, XlaOptions, ConvStrategy, OptionValue};
+/// # fn main() -> kiln::Result<()> {
+/// let backend = XlaBackend::new()?.with_options(
+///     XlaOptions::default()
+///         .debug_option("xla_cpu_enable_fast_math", OptionValue::Bool(false))
+///         .conv(ConvStrategy::Direct),
+/// );
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct XlaOptions {
+    /// XLA `DebugOptions` overrides by field name (`xla_cpu_*`, ...), sent as
+    /// `CompileOptionsProto.env_option_overrides`. A name the plugin's XLA does not know makes
+    /// every compile fail with the plugin's message. Later entries win.
+    pub debug_options: Vec<(String, OptionValue)>,
+    /// Which lowering each convolution gets.
+    pub conv: ConvStrategy,
+}
+
+impl Default for XlaOptions {
+    /// The measured defaults: no debug option overrides and [`ConvStrategy::Auto`].
+    ///
+    /// On the CPU plugin (xla-cpu-pjrt 0.0.1) none of `xla_cpu_use_xnnpack` (true/false),
+    /// `xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY`,
+    /// `xla_cpu_experimental_xnn_fusion_type=LIBRARY_FUSION_TYPE_DOT`, `xla_cpu_use_onednn`
+    /// (with or without `xla_cpu_experimental_onednn_fusion_type`), `xla_cpu_enable_fast_math`,
+    /// `xla_cpu_prefer_vector_width=512`, `xla_cpu_experimental_ynn_fusion_type` or
+    /// `xla_cpu_multi_thread_eigen=false` made resnet18's convolutions faster, direct or im2col
+    /// (same or up to 1.4× slower); `xla_cpu_use_thunk_runtime` no longer exists in it.
+    fn default() -> Self {
+        XlaOptions {
+            debug_options: Vec::new(),
+            conv: ConvStrategy::Auto,
+        }
+    }
+}
+
+impl XlaOptions {
+    /// The plugin's own behaviour: no overrides, every convolution direct.
+    pub fn plain() -> Self {
+        XlaOptions {
+            debug_options: Vec::new(),
+            conv: ConvStrategy::Direct,
+        }
+    }
+
+    /// Adds (or replaces) one debug option override.
+    pub fn debug_option(mut self, name: impl Into<String>, value: OptionValue) -> Self {
+        let name = name.into();
+        self.debug_options.retain(|(n, _)| *n != name);
+        self.debug_options.push((name, value));
+        self
+    }
+
+    /// Sets the convolution lowering strategy.
+    pub fn conv(mut self, strategy: ConvStrategy) -> Self {
+        self.conv = strategy;
+        self
+    }
+
+    /// The serialized `CompileOptionsProto` these options compile with.
+    pub fn compile_options_bytes(&self) -> Vec<u8> {
+        pjrt::compile_options_bytes_with(&self.debug_options)
+    }
+}
+
 /// The XLA backend over one PJRT client (device 0). Cheap to clone; thread-safe.
 #[derive(Clone)]
 pub struct XlaBackend {
     inner: Arc<Inner>,
+    options: Arc<XlaOptions>,
+    option_bytes: Arc<Vec<u8>>,
 }
 
 struct Inner {
@@ -108,7 +191,6 @@ struct Inner {
     platform: String,
     platform_version: String,
     api_version: (i32, i32),
-    options: Vec<u8>,
 }
 
 impl XlaBackend {
@@ -131,9 +213,30 @@ impl XlaBackend {
                 platform,
                 platform_version,
                 api_version: api.version(),
-                options: pjrt::compile_options_bytes(),
             }),
+            options: Arc::new(XlaOptions::default()),
+            option_bytes: Arc::new(XlaOptions::default().compile_options_bytes()),
         })
+    }
+
+    /// The same backend (same client, devices and buffers) compiling with `options`.
+    pub fn with_options(&self, options: XlaOptions) -> Self {
+        XlaBackend {
+            inner: self.inner.clone(),
+            option_bytes: Arc::new(options.compile_options_bytes()),
+            options: Arc::new(options),
+        }
+    }
+
+    /// The options this backend compiles with.
+    pub fn options(&self) -> &XlaOptions {
+        &self.options
+    }
+
+    /// Lowers `graph` to StableHLO text as [`Backend::compile`] does (with this backend's
+    /// convolution strategy).
+    pub fn lower(&self, graph: &Graph) -> Result<String> {
+        lower::lower_with(graph, &self.options.conv)
     }
 
     /// The platform name reported by the plugin (`"cpu"`, `"cuda"`, ...).
@@ -159,7 +262,7 @@ impl XlaBackend {
     /// Compiles StableHLO text directly (for tools and tests; [`Backend::compile`] lowers a
     /// graph first).
     pub fn compile_mlir(&self, mlir: &str) -> Result<pjrt::LoadedExecutable> {
-        self.inner.client.compile(mlir, &self.inner.options)
+        self.inner.client.compile(mlir, &self.option_bytes)
     }
 
     /// Serializes a compiled executable (for on-disk caches).
@@ -192,7 +295,7 @@ impl Backend for XlaBackend {
 
     fn compile(&self, graph: &Graph) -> Result<XlaExecutable> {
         graph.verify()?;
-        let mlir = lower::lower(graph)?;
+        let mlir = self.lower(graph)?;
         let exe = self.compile_mlir(&mlir)?;
         Ok(XlaExecutable::new(exe, graph, mlir))
     }
@@ -272,12 +375,13 @@ impl Backend for XlaBackend {
 
     fn cache_key(&self) -> String {
         format!(
-            "xla/{}/{}/pjrt{}.{}/opts{:02x?}",
+            "xla/{}/{}/pjrt{}.{}/opts{:02x?}/conv-{}",
             self.inner.platform,
             self.inner.platform_version,
             self.inner.api_version.0,
             self.inner.api_version.1,
-            self.inner.options
+            self.option_bytes,
+            self.options.conv.key()
         )
     }
 }

@@ -74,3 +74,67 @@ pub use executable::LoadedExecutable;
 pub fn compile_options_bytes() -> Vec<u8> {
     vec![0x1a, 0x04, 0x20, 0x01, 0x28, 0x01]
 }
+
+/// The value of one XLA debug option override (`OptionOverrideProto`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum OptionValue {
+    /// `string_field = 1`; the plugin parses it as the option's text form (also how enum and
+    /// repeated-enum options such as `xla_cpu_experimental_xnn_fusion_type` are set).
+    Str(String),
+    /// `bool_field = 2`.
+    Bool(bool),
+    /// `int_field = 3`.
+    Int(i64),
+    /// `double_field = 4`.
+    Double(f64),
+}
+
+fn varint(out: &mut Vec<u8>, mut v: u64) {
+    loop {
+        let b = (v & 0x7f) as u8;
+        v >>= 7;
+        if v == 0 {
+            out.push(b);
+            return;
+        }
+        out.push(b | 0x80);
+    }
+}
+
+fn len_delimited(out: &mut Vec<u8>, field: u32, bytes: &[u8]) {
+    varint(out, u64::from(field << 3 | 2));
+    varint(out, bytes.len() as u64);
+    out.extend_from_slice(bytes);
+}
+
+/// Serialized `CompileOptionsProto` for a single-device compile with XLA `DebugOptions`
+/// overrides, in the given order, as `env_option_overrides` (field 7,
+/// `map<string, OptionOverrideProto>`). The plugin applies each override by the option's name
+/// and rejects unknown names at compile time. With no overrides this is exactly
+/// [`compile_options_bytes`].
+pub fn compile_options_bytes_with(overrides: &[(String, OptionValue)]) -> Vec<u8> {
+    let mut out = compile_options_bytes();
+    for (name, value) in overrides {
+        let mut v = Vec::new();
+        match value {
+            OptionValue::Str(s) => len_delimited(&mut v, 1, s.as_bytes()),
+            OptionValue::Bool(b) => {
+                v.push(2 << 3);
+                v.push(u8::from(*b));
+            }
+            OptionValue::Int(i) => {
+                v.push(3 << 3);
+                varint(&mut v, *i as u64);
+            }
+            OptionValue::Double(d) => {
+                v.push(4 << 3 | 1);
+                v.extend_from_slice(&d.to_le_bytes());
+            }
+        }
+        let mut entry = Vec::new();
+        len_delimited(&mut entry, 1, name.as_bytes());
+        len_delimited(&mut entry, 2, &v);
+        len_delimited(&mut out, 7, &entry);
+    }
+    out
+}

@@ -1,0 +1,310 @@
+//! The im2col lowering of `Op::Conv` against the direct one (`stablehlo.convolution`) and the
+//! eager interpreter (libtorch), on the attribute combinations forward and backward
+//! convolutions use: stride, padding (asymmetric, negative), kernel and input dilation, feature
+//! groups (grouped, depthwise), batch groups, 1-3 spatial dims; and on the convolutions
+//! kiln's autograd derives (input gradient, weight gradient) for resnet-like layers.
+
+use kiln::autograd::vjp;
+use kiln::backend::eager::EagerBackend;
+use kiln::backend::xla::conv::{im2col_graph, ConvStrategy};
+use kiln::backend::xla::{ConvLowering, XlaBackend, XlaOptions};
+use kiln::backend::{Backend, HostTensor};
+use kiln::ir::{ConvAttrs, DType, Graph, InputKind, Op, TensorType};
+use std::sync::OnceLock;
+
+fn xla() -> &'static XlaBackend {
+    static X: OnceLock<XlaBackend> = OnceLock::new();
+    X.get_or_init(|| XlaBackend::new().expect("the PJRT CPU plugin (run scripts/bootstrap.sh)"))
+}
+
+fn run<B: Backend>(b: &B, g: &Graph, inputs: &[HostTensor]) -> Vec<HostTensor> {
+    let exe = b.compile(g).unwrap_or_else(|e| panic!("compile: {e}"));
+    let bufs: Vec<B::Buffer> = inputs.iter().map(|h| b.to_device(h).unwrap()).collect();
+    let refs: Vec<&B::Buffer> = bufs.iter().collect();
+    let outs = b.execute(&exe, &refs).unwrap();
+    outs.iter().map(|o| b.to_host(o).unwrap()).collect()
+}
+
+fn random(ty: &TensorType, seed: u64) -> HostTensor {
+    let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let v: Vec<f64> = (0..ty.shape.numel())
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+        })
+        .collect();
+    match ty.dtype {
+        DType::F32 => {
+            let f: Vec<f32> = v.iter().map(|&a| a as f32).collect();
+            HostTensor::from_slice(ty.shape.dims(), &f).unwrap()
+        }
+        _ => HostTensor::from_slice(ty.shape.dims(), &v).unwrap(),
+    }
+}
+
+fn assert_close(what: &str, got: &HostTensor, want: &HostTensor, tol: f64) {
+    assert_eq!(got.ty(), want.ty(), "{what}: types");
+    let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
+    let scale = w.iter().fold(1.0f64, |m, a| m.max(a.abs()));
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        assert!(
+            (a - b).abs() <= tol * scale,
+            "{what}: element {i}: got {a}, want {b} (scale {scale})"
+        );
+    }
+}
+
+fn conv_graph(c: &ConvAttrs, x: &TensorType, w: &TensorType) -> Graph {
+    let mut g = Graph::new();
+    let a = g.add_input(InputKind::Data, "x", x.clone());
+    let b = g.add_input(InputKind::Data, "w", w.clone());
+    let y = g.add(Op::Conv(c.clone()), &[a, b]).unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    g
+}
+
+/// `(input shape, kernel shape, attributes)`.
+fn case(
+    x: &[usize],
+    k: &[usize],
+    f: impl FnOnce(&mut ConvAttrs),
+) -> (Vec<usize>, Vec<usize>, ConvAttrs) {
+    let mut a = ConvAttrs::plain(x.len() - 2);
+    f(&mut a);
+    (x.to_vec(), k.to_vec(), a)
+}
+
+fn cases() -> Vec<(Vec<usize>, Vec<usize>, ConvAttrs)> {
+    vec![
+        case(&[2, 3, 7, 6], &[4, 3, 3, 2], |_| {}),
+        // Forward 3x3, stride 1 and 2, padding 1 (resnet blocks).
+        case(&[2, 16, 6, 6], &[8, 16, 3, 3], |a| {
+            a.padding = vec![(1, 1), (1, 1)]
+        }),
+        case(&[2, 3, 7, 6], &[4, 3, 3, 3], |a| {
+            a.strides = vec![2, 1];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        // 1x1 stride 2 (downsample) and 1x1 stride 1 (bottleneck).
+        case(&[2, 8, 6, 6], &[5, 8, 1, 1], |a| a.strides = vec![2, 2]),
+        case(&[2, 8, 3, 5], &[5, 8, 1, 1], |_| {}),
+        // 7x7 stride 2 padding 3 (stem).
+        case(&[1, 3, 12, 11], &[4, 3, 7, 7], |a| {
+            a.strides = vec![2, 2];
+            a.padding = vec![(3, 3), (3, 3)];
+        }),
+        // Asymmetric and negative (cropping) padding.
+        case(&[1, 2, 6, 5], &[3, 2, 3, 2], |a| {
+            a.padding = vec![(2, 0), (0, 1)]
+        }),
+        case(&[1, 2, 6, 7], &[3, 2, 2, 3], |a| {
+            a.padding = vec![(-1, 1), (1, -2)]
+        }),
+        // Kernel dilation with stride.
+        case(&[2, 2, 8, 7], &[3, 2, 3, 2], |a| {
+            a.rhs_dilation = vec![2, 3];
+            a.padding = vec![(1, 2), (0, 1)];
+            a.strides = vec![1, 2];
+        }),
+        // Weight-gradient shape: large "kernel" (the cotangent), dilated by the forward
+        // stride, few outputs, negative padding.
+        case(&[6, 2, 8, 8], &[5, 2, 4, 4], |a| {
+            a.rhs_dilation = vec![2, 2];
+            a.padding = vec![(0, -1), (0, -1)];
+        }),
+        case(&[6, 2, 5, 5], &[5, 2, 5, 5], |a| {
+            a.padding = vec![(1, 1), (1, 1)]
+        }),
+        // Feature groups: grouped and depthwise (multiplier 2).
+        case(&[2, 6, 5, 5], &[9, 2, 3, 3], |a| a.feature_groups = 3),
+        case(&[2, 4, 6, 6], &[8, 1, 3, 3], |a| {
+            a.feature_groups = 4;
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        // Batch groups (weight gradient of grouped convolutions).
+        case(&[4, 3, 5, 5], &[6, 3, 2, 2], |a| a.batch_groups = 2),
+        case(&[3, 2, 6, 5], &[6, 2, 3, 3], |a| {
+            a.batch_groups = 3;
+            a.strides = vec![2, 1];
+            a.padding = vec![(1, 0), (1, 1)];
+        }),
+        // Input dilation (input gradient of strided convolutions; transposed convolution).
+        case(&[1, 3, 4, 4], &[2, 3, 3, 3], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.padding = vec![(1, 2), (1, 2)];
+        }),
+        case(&[2, 4, 3, 3], &[3, 4, 1, 1], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.padding = vec![(0, 1), (0, 1)];
+        }),
+        // 1-d and 3-d.
+        case(&[2, 3, 10], &[4, 3, 3], |a| {
+            a.strides = vec![2];
+            a.padding = vec![(1, 2)];
+            a.rhs_dilation = vec![2];
+        }),
+        case(&[1, 2, 5], &[3, 2, 2], |a| {
+            a.lhs_dilation = vec![3];
+            a.padding = vec![(1, 1)];
+        }),
+        case(&[1, 2, 4, 4, 5], &[2, 2, 2, 2, 3], |a| {
+            a.strides = vec![1, 2, 1];
+            a.padding = vec![(0, 1), (1, 0), (1, 1)];
+        }),
+    ]
+}
+
+#[test]
+fn im2col_matches_direct_and_eager() {
+    let direct = xla().with_options(XlaOptions::plain().conv(ConvStrategy::Direct));
+    let im2col = xla().with_options(XlaOptions::plain().conv(ConvStrategy::Im2col));
+    let eager = EagerBackend::new();
+    for (i, (xs, ks, a)) in cases().into_iter().enumerate() {
+        for d in [DType::F32, DType::F64] {
+            let xt = TensorType::new(d, xs.as_slice());
+            let kt = TensorType::new(d, ks.as_slice());
+            let g = conv_graph(&a, &xt, &kt);
+            let ins = [random(&xt, i as u64), random(&kt, 1000 + i as u64)];
+            let want = run(&eager, &g, &ins).remove(0);
+            let tol = if d == DType::F32 { 1e-5 } else { 1e-12 };
+            let what = |w: &str| format!("case {i} {d} {xs:?} {ks:?} {a:?}: {w}");
+            let lowered = im2col.lower(&g).unwrap();
+            assert!(
+                !lowered.contains("stablehlo.convolution") && lowered.contains("dot_general"),
+                "{}",
+                what("im2col lowering emits a convolution")
+            );
+            assert_close(&what("xla direct"), &run(&direct, &g, &ins)[0], &want, tol);
+            assert_close(&what("xla im2col"), &run(&im2col, &g, &ins)[0], &want, tol);
+            // The expansion itself, interpreted by libtorch op by op.
+            let ig = im2col_graph(&a, &xt, &kt).unwrap();
+            assert_close(
+                &what("eager im2col"),
+                &run(&eager, &ig, &ins)[0],
+                &want,
+                tol,
+            );
+        }
+    }
+}
+
+/// Forward, input-gradient and weight-gradient convolutions as kiln's autograd builds them,
+/// compiled with each strategy.
+#[test]
+fn autograd_convs_match_under_every_strategy() {
+    let layers: Vec<(Vec<usize>, Vec<usize>, ConvAttrs)> = vec![
+        case(&[2, 16, 8, 8], &[16, 16, 3, 3], |a| {
+            a.padding = vec![(1, 1), (1, 1)]
+        }),
+        case(&[2, 8, 8, 8], &[16, 8, 3, 3], |a| {
+            a.strides = vec![2, 2];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        case(&[2, 8, 7, 7], &[16, 8, 1, 1], |a| a.strides = vec![2, 2]),
+        case(&[2, 3, 13, 13], &[8, 3, 7, 7], |a| {
+            a.strides = vec![2, 2];
+            a.padding = vec![(3, 3), (3, 3)];
+        }),
+        case(&[2, 8, 6, 6], &[8, 1, 3, 3], |a| {
+            a.feature_groups = 8;
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        case(&[2, 8, 6, 6], &[8, 2, 3, 3], |a| {
+            a.feature_groups = 4;
+            a.strides = vec![2, 2];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+    ];
+    let eager = EagerBackend::new();
+    let strategies = [
+        ConvStrategy::Direct,
+        ConvStrategy::Im2col,
+        ConvStrategy::Auto,
+        ConvStrategy::Custom {
+            name: "by-kernel".into(),
+            rule: |_, _, k| {
+                if k.shape.dim(2) > 1 {
+                    ConvLowering::Im2col
+                } else {
+                    ConvLowering::Direct
+                }
+            },
+        },
+    ];
+    for (i, (xs, ks, a)) in layers.into_iter().enumerate() {
+        let xt = TensorType::new(DType::F32, xs.as_slice());
+        let kt = TensorType::new(DType::F32, ks.as_slice());
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", xt.clone());
+        let w = g.add_input(InputKind::Parameter, "w", kt.clone());
+        let y = g.add(Op::Conv(a.clone()), &[x, w]).unwrap();
+        let yt = g.node(y).ty.clone();
+        let ct = g.add_input(InputKind::Cotangent, "ct", yt.clone());
+        let grads = vjp(&mut g, y, ct, &[true, true]).unwrap();
+        let (dx, dw) = (grads[0].unwrap(), grads[1].unwrap());
+        g.set_outputs(vec![y, dx, dw]).unwrap();
+        let convs = g
+            .topo_order()
+            .into_iter()
+            .filter(|&n| matches!(g.node(n).op, Op::Conv(_)))
+            .count();
+        assert_eq!(convs, 3, "forward + two backward convolutions");
+        let ins = [
+            random(&xt, i as u64),
+            random(&kt, 50 + i as u64),
+            random(&yt, 99 + i as u64),
+        ];
+        let want = run(&eager, &g, &ins);
+        for s in &strategies {
+            let b = xla().with_options(XlaOptions::plain().conv(s.clone()));
+            let got = run(&b, &g, &ins);
+            for (j, name) in ["y", "dx", "dw"].iter().enumerate() {
+                assert_close(
+                    &format!("layer {i} {xs:?} {ks:?} {s:?} {name}"),
+                    &got[j],
+                    &want[j],
+                    2e-5,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn strategies_have_distinct_cache_keys() {
+    let keys: Vec<String> = [
+        XlaOptions::plain(),
+        XlaOptions::default(),
+        XlaOptions::default().conv(ConvStrategy::Im2col),
+        XlaOptions::default().debug_option(
+            "xla_cpu_enable_fast_math",
+            kiln::backend::xla::OptionValue::Bool(false),
+        ),
+    ]
+    .into_iter()
+    .map(|o| xla().with_options(o).cache_key())
+    .collect();
+    for i in 0..keys.len() {
+        for j in 0..i {
+            assert_ne!(keys[i], keys[j]);
+        }
+    }
+}
+
+#[test]
+fn unknown_debug_option_is_a_compile_error() {
+    let b = xla().with_options(XlaOptions::default().debug_option(
+        "xla_cpu_no_such_option",
+        kiln::backend::xla::OptionValue::Bool(true),
+    ));
+    let xt = TensorType::new(DType::F32, [1, 1, 3, 3]);
+    let g = conv_graph(&ConvAttrs::plain(2), &xt, &xt);
+    let e = b
+        .compile(&g)
+        .err()
+        .expect("unknown option rejected")
+        .to_string();
+    assert!(e.contains("xla_cpu_no_such_option"), "{e}");
+}
