@@ -243,11 +243,18 @@ pub fn default_batch_size(model: &str) -> usize {
 }
 
 /// The representative subset of the zoo that the command line runs by default: a residual CNN,
-/// a small plain CNN, both transformers and the seeds' `LinearModel`, chosen so that inference
-/// and training together finish in about five minutes on 2 CPU cores (the mobile CNNs take
-/// over 20 s per XLA compile of a training step, four of which a training run needs; `--all`
-/// runs them). Names not in the zoo are skipped.
-pub const DEFAULT_SUBSET: &[&str] = &["resnet18", "squeezenet1_1", "bert", "vit", "linear"];
+/// a mobile (depthwise) CNN, a small plain CNN, both transformers and the seeds'
+/// `LinearModel`, chosen so that inference and training together take about two minutes on
+/// 2 idle CPU cores (under five on a loaded machine). `--all` adds resnet50, resnext50_32x4d,
+/// alexnet, mnasnet1_0 and vgg16. Names not in the zoo are skipped.
+pub const DEFAULT_SUBSET: &[&str] = &[
+    "resnet18",
+    "mobilenet_v2",
+    "squeezenet1_1",
+    "bert",
+    "vit",
+    "linear",
+];
 
 /// The default subset, restricted to models the zoo has.
 pub fn default_models() -> Vec<&'static str> {
