@@ -101,6 +101,22 @@ pub struct Report {
     pub eager_threads: usize,
 }
 
+/// `v` in scientific notation with 3 decimals, or empty.
+fn fmt_sci(v: Option<f64>) -> String {
+    v.map(|x| format!("{x:.3e}")).unwrap_or_default()
+}
+
+/// The detail cells both experiments report per variant: max abs diff, relative error and
+/// the training update's relative error (empty where not measured).
+fn accuracy_details(r: &VariantResult) -> [String; 3] {
+    let a = r.accuracy.as_ref();
+    [
+        fmt_sci(a.map(|a| a.max_abs_diff)),
+        fmt_sci(a.map(|a| a.rel_err)),
+        fmt_sci(a.and_then(|a| a.update_rel_err)),
+    ]
+}
+
 fn fmt_opt(v: Option<f64>, prec: usize) -> String {
     match v {
         Some(x) => format!("{x:.prec$}"),
@@ -227,31 +243,12 @@ impl Report {
                 out.push(same(compile));
                 out.push(same(self.accuracy_summary(row)));
                 out.push(same(row.batch_size.to_string()));
-                out.push(same(
-                    row.update_noise
-                        .map(|n| format!("{n:.3e}"))
-                        .unwrap_or_default(),
-                ));
+                out.push(same(fmt_sci(row.update_noise)));
                 for r in results {
                     out.push(same(fmt_opt(r.compile_s, 4)));
                     out.push(same(fmt_opt(r.p_value, 4)));
                     out.push(same(fmt_opt(r.median_ms, 5)));
-                    out.push(same(
-                        r.accuracy
-                            .map(|a| format!("{:.3e}", a.max_abs_diff))
-                            .unwrap_or_default(),
-                    ));
-                    out.push(same(
-                        r.accuracy
-                            .map(|a| format!("{:.3e}", a.rel_err))
-                            .unwrap_or_default(),
-                    ));
-                    out.push(same(
-                        r.accuracy
-                            .and_then(|a| a.update_rel_err)
-                            .map(|u| format!("{u:.3e}"))
-                            .unwrap_or_default(),
-                    ));
+                    out.extend(accuracy_details(r).map(same));
                     let st = r.stats.as_ref();
                     out.push(same(st.map(|s| s.traces.to_string()).unwrap_or_default()));
                     out.push(same(st.map(|s| s.compiles.to_string()).unwrap_or_default()));
@@ -272,28 +269,9 @@ impl Report {
                     out.push((s, csv));
                 }
                 out.push(same(row.batch_size.to_string()));
-                out.push(same(
-                    row.update_noise
-                        .map(|n| format!("{n:.3e}"))
-                        .unwrap_or_default(),
-                ));
+                out.push(same(fmt_sci(row.update_noise)));
                 for r in results {
-                    out.push(same(
-                        r.accuracy
-                            .map(|a| format!("{:.3e}", a.max_abs_diff))
-                            .unwrap_or_default(),
-                    ));
-                    out.push(same(
-                        r.accuracy
-                            .map(|a| format!("{:.3e}", a.rel_err))
-                            .unwrap_or_default(),
-                    ));
-                    out.push(same(
-                        r.accuracy
-                            .and_then(|a| a.update_rel_err)
-                            .map(|u| format!("{u:.3e}"))
-                            .unwrap_or_default(),
-                    ));
+                    out.extend(accuracy_details(r).map(same));
                     out.push(same(
                         r.accuracy
                             .map(|a| format!("{:.7}", a.cosine))
