@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::ir::{Fingerprint, Graph, InputKind, TensorType};
 use crate::passes::{dedup_outputs, simplify, OutputSource};
 use crate::runtime::{Runtime, Stats};
-use crate::trace::{trace, Binding, Tensor, Traced};
+use crate::trace::{trace, var_input, Binding, Tensor, Traced};
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::Arc;
@@ -65,11 +65,7 @@ impl Program {
         let bindings: Vec<Binding> = kept.iter().map(|&k| bindings[k].clone()).collect();
         // Donate each updated variable's buffer to its new value: in-place on the device.
         for (var, out) in &state_updates {
-            let id = var.variable().map(|v| v.id);
-            let pos = bindings
-                .iter()
-                .position(|b| matches!(b, Binding::Var(t) if t.variable().map(|v| v.id) == id));
-            if let Some(i) = pos {
+            if let Some(i) = var_input(&bindings, var) {
                 let is_input = matches!(
                     graph.node(graph.outputs()[*out]).op,
                     crate::ir::Op::Input(_)

@@ -21,7 +21,7 @@ use crate::nn::{Init, ParamStore};
 use crate::optim::Optimizer;
 use crate::passes::{dedup_outputs, simplify, OutputSource};
 use crate::runtime::{ExecutableCache, Runtime, Stats};
-use crate::trace::{trace, Binding, Tensor, VarKind};
+use crate::trace::{trace, var_input, Binding, Tensor, VarKind};
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -489,7 +489,7 @@ impl<B: Backend> TrainStep<B> {
                 let mut slots = out_slots.clone();
                 let mut aliases = Vec::new();
                 for (k, (var, _)) in state_updates.iter().enumerate() {
-                    if let Some(i) = input_of(&bindings, var) {
+                    if let Some(i) = var_input(&bindings, var) {
                         aliases.push((i, 1 + k));
                     }
                 }
@@ -541,7 +541,7 @@ impl<B: Backend> TrainStep<B> {
                     .collect();
                 let mut f_aliases = Vec::new();
                 for (k, (var, _)) in state_updates.iter().enumerate() {
-                    if let Some(i) = input_of(&bindings, var).filter(|i| !kept_alive.contains(i)) {
+                    if let Some(i) = var_input(&bindings, var).filter(|i| !kept_alive.contains(i)) {
                         f_aliases.push((i, 1 + k));
                     }
                 }
@@ -727,13 +727,6 @@ impl<B: Backend> TrainStep<B> {
 
 fn name_of(t: &Tensor) -> String {
     t.variable().map(|v| v.name.clone()).unwrap_or_default()
-}
-
-fn input_of(bindings: &[Binding], var: &Tensor) -> Option<usize> {
-    let id = var.variable()?.id;
-    bindings
-        .iter()
-        .position(|b| matches!(b, Binding::Var(t) if t.variable().map(|v| v.id) == Some(id)))
 }
 
 /// Adds `key' = [key[0], key[1] + 1]` as an output updating the rng key variable in place.

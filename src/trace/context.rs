@@ -24,6 +24,14 @@ pub enum Binding {
     RngKey,
 }
 
+/// The position of the input bound to variable `var`, if any.
+pub(crate) fn var_input(bindings: &[Binding], var: &Tensor) -> Option<usize> {
+    let id = var.variable()?.id;
+    bindings
+        .iter()
+        .position(|b| matches!(b, Binding::Var(t) if t.variable().map(|v| v.id) == Some(id)))
+}
+
 pub(crate) struct TraceCtx {
     pub(crate) id: u64,
     pub(crate) graph: Graph,

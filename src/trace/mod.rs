@@ -11,8 +11,8 @@ mod context;
 mod ops;
 mod rng;
 
-pub(crate) use context::with_ctx;
 pub use context::{is_tracing, trace, Binding, Traced};
+pub(crate) use context::{var_input, with_ctx};
 
 use crate::backend::eager::{eval_op, kind_of};
 use crate::backend::HostTensor;
