@@ -104,7 +104,7 @@ pub struct TrainStep<B: Backend> {
     step_var: Tensor,
     lr_var: Tensor,
     key_var: Tensor,
-    one_var: Option<Tensor>,
+    one_var: Vec<Tensor>,
     lr: f64,
     lr_uploaded: Option<f64>,
     by_signature: HashMap<Vec<TensorType>, Rc<TrainProgram<B>>>,
@@ -125,8 +125,11 @@ impl<B: Backend> TrainStep<B> {
         let _ = store;
         let state = ParamStore::new();
         let root = state.root();
-        let step_var = root.buffer("step", &[], Init::Const(0.0), DType::F32)?;
-        let lr_var = root.buffer("lr", &[], Init::Const(0.0), DType::F32)?;
+        // Float64, so that the step count is exact far beyond 2^24 steps and a float64 model
+        // trains with exactly the learning rate asked for; graphs convert to the parameters'
+        // dtype.
+        let step_var = root.buffer("step", &[], Init::Const(0.0), DType::F64)?;
+        let lr_var = root.buffer("lr", &[], Init::Const(0.0), DType::F64)?;
         let key_var = root.buffer("rng_key", &[2], Init::Const(0.0), DType::U32)?;
         Ok(TrainStep {
             rt: Runtime::new(backend),
@@ -140,7 +143,7 @@ impl<B: Backend> TrainStep<B> {
             step_var,
             lr_var,
             key_var,
-            one_var: None,
+            one_var: Vec::new(),
             lr: 1e-3,
             lr_uploaded: None,
             by_signature: HashMap::new(),
@@ -229,7 +232,7 @@ impl<B: Backend> TrainStep<B> {
         let signature: Vec<TensorType> = inputs.iter().map(|t| t.ty().clone()).collect();
         let program = self.program(&signature)?;
         if self.lr_uploaded != Some(self.lr) {
-            let lr = HostTensor::from_slice(&[], &[self.lr as f32])?;
+            let lr = HostTensor::from_slice(&[], &[self.lr])?;
             self.rt.set_var(&self.lr_var, &lr)?;
             self.lr_uploaded = Some(self.lr);
         }
@@ -412,15 +415,18 @@ impl<B: Backend> TrainStep<B> {
         Ok(v)
     }
 
-    fn one(&mut self) -> Result<Tensor> {
-        if let Some(o) = &self.one_var {
+    /// The cotangent seed `1` of the loss, of the loss's dtype.
+    fn one(&mut self, dtype: DType) -> Result<Tensor> {
+        if let Some(o) = self.one_var.iter().find(|o| o.dtype() == dtype) {
             return Ok(o.clone());
         }
-        let o = self
-            .state
-            .root()
-            .buffer("loss_seed", &[], Init::Const(1.0), DType::F32)?;
-        self.one_var = Some(o.clone());
+        let o = self.state.root().buffer(
+            &format!("loss_seed_{dtype}"),
+            &[],
+            Init::Const(1.0),
+            dtype,
+        )?;
+        self.one_var.push(o.clone());
         Ok(o)
     }
 
@@ -575,7 +581,7 @@ impl<B: Backend> TrainStep<B> {
                     f_aliases,
                 )?);
                 // Backward: saved values, forward inputs, the cotangent -> gradients.
-                let one = self.one()?;
+                let one = self.one(loss_dtype)?;
                 let b_inputs: Vec<Slot> = split
                     .backward_inputs
                     .iter()
@@ -652,13 +658,13 @@ impl<B: Backend> TrainStep<B> {
         slots: &mut Vec<Slot>,
         aliases: &mut Vec<(usize, usize)>,
     ) -> Result<()> {
-        let f32s = TensorType::scalar(DType::F32);
-        let lr = g.add_input(InputKind::Scalar, "lr", f32s.clone());
+        let scalar = TensorType::scalar(DType::F64);
+        let lr = g.add_input(InputKind::Scalar, "lr", scalar.clone());
         inputs.push(Slot::Var(self.lr_var.clone()));
-        let step_in = g.add_input(InputKind::OptimizerState, "step", f32s.clone());
+        let step_in = g.add_input(InputKind::OptimizerState, "step", scalar);
         let step_idx = inputs.len();
         inputs.push(Slot::Var(self.step_var.clone()));
-        let one = g.add(Op::Constant(Literal::scalar(DType::F32, 1.0)), &[])?;
+        let one = g.add(Op::Constant(Literal::scalar(DType::F64, 1.0)), &[])?;
         let step = g.add(Op::Binary(BinaryOp::Add), &[step_in, one])?;
         aliases.push((step_idx, outputs.len()));
         outputs.push(step);

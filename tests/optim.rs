@@ -90,8 +90,12 @@ fn run_graph<B: Backend>(b: &B, opt: &dyn Optimizer) -> Vec<Vec<f64>> {
             .zip(shapes())
             .map(|(v, s)| b.to_device(&host(&s, v)).unwrap())
             .collect();
-        let lr = b.to_device(&host(&[], &[LRS[step] as f32])).unwrap();
-        let stp = b.to_device(&host(&[], &[(step + 1) as f32])).unwrap();
+        let lr = b
+            .to_device(&HostTensor::from_slice(&[], &[LRS[step]]).unwrap())
+            .unwrap();
+        let stp = b
+            .to_device(&HostTensor::from_slice(&[], &[(step + 1) as f64]).unwrap())
+            .unwrap();
         let mut ins: Vec<&B::Buffer> = p.iter().collect();
         ins.extend(gb.iter());
         ins.extend(st.iter());

@@ -171,8 +171,8 @@ impl BatchNorm2d {
         Ok(BatchNorm2d {
             weight: path.param("weight", &[channels], Init::Const(1.0))?,
             bias: path.param("bias", &[channels], Init::Const(0.0))?,
-            running_mean: path.buffer("running_mean", &[channels], Init::Const(0.0), DType::F32)?,
-            running_var: path.buffer("running_var", &[channels], Init::Const(1.0), DType::F32)?,
+            running_mean: path.float_buffer("running_mean", &[channels], Init::Const(0.0))?,
+            running_var: path.float_buffer("running_var", &[channels], Init::Const(1.0))?,
             num_batches_tracked: path.buffer(
                 "num_batches_tracked",
                 &[],

@@ -48,6 +48,8 @@ struct Inner {
     vars: Vec<Entry>,
     by_name: HashMap<String, usize>,
     rng: SplitMix,
+    /// The dtype of parameters and of float buffers created through [`Path::float_buffer`].
+    float_dtype: DType,
 }
 
 /// A set of named variables (parameters and buffers), shared by the modules built from it.
@@ -88,8 +90,32 @@ impl ParamStore {
                 vars: Vec::new(),
                 by_name: HashMap::new(),
                 rng: SplitMix(seed),
+                float_dtype: DType::F32,
             })),
         }
+    }
+
+    /// Makes parameters (and float buffers created with [`Path::float_buffer`]) of this store
+    /// `dtype` instead of `f32`: e.g. `f64` for a reference model whose gradients serve as the
+    /// numerical truth for `f32` runs. Call before building modules.
+    ///
+    /// Random initialisers draw the same numbers whatever the dtype, rounded to it; to give an
+    /// `f64` model exactly the values of an `f32` one, build both and
+    /// [`copy_from`](ParamStore::copy_from) the `f32` store.
+    pub fn with_float_dtype(self, dtype: DType) -> Result<Self> {
+        if !dtype.is_float() {
+            return Err(Error::Invalid(format!(
+                "with_float_dtype: {dtype} is not a floating-point dtype"
+            )));
+        }
+        self.inner.lock().float_dtype = dtype;
+        Ok(self)
+    }
+
+    /// The dtype of this store's parameters (`f32` unless set by
+    /// [`with_float_dtype`](ParamStore::with_float_dtype)).
+    pub fn float_dtype(&self) -> DType {
+        self.inner.lock().float_dtype
     }
 
     /// The root path (empty prefix).
@@ -229,9 +255,20 @@ impl ParamStore {
         t.assign(&Tensor::from_host(value)?)
     }
 
-    /// Copies every variable's value from `other` (same names, types).
+    /// Copies every variable's value from `other` (same names and shapes). Floating-point
+    /// values are converted to this store's dtype (e.g. an `f32` model's parameters into its
+    /// `f64` twin); other dtypes must match.
     pub fn copy_from(&self, other: &ParamStore) -> Result<()> {
         for (name, t) in other.vars() {
+            let mine = self
+                .get(&name)
+                .ok_or_else(|| Error::Invalid(format!("copy_from: no variable named {name}")))?;
+            let t = if mine.dtype() != t.dtype() && mine.dtype().is_float() && t.dtype().is_float()
+            {
+                t.detach()?.to_dtype(mine.dtype())?
+            } else {
+                t
+            };
             self.set(&name, &t.to_host()?)?;
         }
         Ok(())
@@ -455,10 +492,18 @@ impl Path {
         &self.prefix
     }
 
-    /// A new trainable `f32` parameter.
+    /// A new trainable parameter, of the store's float dtype (`f32` by default).
     pub fn param(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        let dtype = self.store.float_dtype();
         self.store
-            .create(self.join(name), shape, init, VarKind::Parameter, DType::F32)
+            .create(self.join(name), shape, init, VarKind::Parameter, dtype)
+    }
+
+    /// A new non-trainable variable of the store's float dtype (e.g. BatchNorm's running
+    /// statistics, which follow the parameters' precision).
+    pub fn float_buffer(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        let dtype = self.store.float_dtype();
+        self.buffer(name, shape, init, dtype)
     }
 
     /// A new non-trainable variable (a buffer, e.g. running statistics).

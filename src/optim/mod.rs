@@ -27,7 +27,8 @@ pub trait Optimizer: Send + Sync {
 
     /// Builds the update of one parameter into `g`: given the nodes of the parameter, its
     /// gradient (same type), its state (as [`Optimizer::state_shapes`] lists it) and the scalar
-    /// inputs `lr` and `step` (`f32[]`; `step` is 1-based: 1 on the first update), returns the
+    /// inputs `lr` and `step` (`f64[]`; `step` is 1-based: 1 on the
+    /// first update), returns the
     /// new parameter and the new state, in the same order.
     fn update(
         &self,
@@ -91,7 +92,7 @@ pub fn optimizer_graph(opt: &dyn Optimizer, params: &[TensorType]) -> Result<Gra
             .collect();
         s_in.push(states);
     }
-    let scalar = TensorType::scalar(DType::F32);
+    let scalar = TensorType::scalar(DType::F64);
     let lr = g.add_input(InputKind::Scalar, "lr", scalar.clone());
     let step = g.add_input(InputKind::Scalar, "step", scalar);
     let mut new_params = Vec::with_capacity(params.len());

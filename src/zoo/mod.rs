@@ -79,7 +79,18 @@ pub const NUM_CLASSES: usize = 1000;
 /// Builds the zoo model `name` with parameters initialised from `seed` (PyTorch's / torchvision's
 /// initialisation schemes; see each model's docs for deviations).
 pub fn build(name: &str, seed: u64) -> Result<Box<dyn Model>> {
-    let store = ParamStore::with_seed(seed);
+    build_in(name, ParamStore::with_seed(seed))
+}
+
+/// Builds the zoo model `name` in `store` (which must be empty), e.g. a store made with
+/// [`ParamStore::with_float_dtype`] for a float64 twin of a model.
+pub fn build_in(name: &str, store: ParamStore) -> Result<Box<dyn Model>> {
+    if !store.is_empty() {
+        return Err(Error::Invalid(format!(
+            "zoo::build_in({name}): the store already holds {} variables",
+            store.len()
+        )));
+    }
     let root = store.root();
     let image = |net: Box<dyn Module>, name: &'static str| -> Box<dyn Model> {
         Box::new(ImageModel {
