@@ -54,22 +54,16 @@ fn list(v: &[usize]) -> String {
     format!("[{}]", items.join(", "))
 }
 
-/// One element of a literal as an MLIR attribute value. Floats are written as their exact bit
+/// Element `i` of a literal as an MLIR attribute value. Floats are written as their exact bit
 /// pattern in hex, so constants survive the round trip bit for bit.
-fn scalar_value(d: DType, bytes: &[u8]) -> String {
-    match d {
-        DType::Bool => if bytes[0] != 0 { "true" } else { "false" }.to_string(),
-        DType::U32 => u32::from_le_bytes(bytes.try_into().unwrap_or_default()).to_string(),
-        DType::I32 => i32::from_le_bytes(bytes.try_into().unwrap_or_default()).to_string(),
-        DType::I64 => i64::from_le_bytes(bytes.try_into().unwrap_or_default()).to_string(),
-        DType::F32 => format!(
-            "0x{:08X}",
-            u32::from_le_bytes(bytes.try_into().unwrap_or_default())
-        ),
-        DType::F64 => format!(
-            "0x{:016X}",
-            u64::from_le_bytes(bytes.try_into().unwrap_or_default())
-        ),
+fn scalar_value(lit: &Literal, i: usize) -> String {
+    match lit.ty().dtype {
+        DType::Bool => if lit.bytes()[i] != 0 { "true" } else { "false" }.to_string(),
+        DType::U32 => u32::from_le_bytes(lit.element_bytes(i)).to_string(),
+        DType::I32 => i32::from_le_bytes(lit.element_bytes(i)).to_string(),
+        DType::I64 => i64::from_le_bytes(lit.element_bytes(i)).to_string(),
+        DType::F32 => format!("0x{:08X}", u32::from_le_bytes(lit.element_bytes(i))),
+        DType::F64 => format!("0x{:016X}", u64::from_le_bytes(lit.element_bytes(i))),
     }
 }
 
@@ -77,9 +71,8 @@ fn dense(lit: &Literal) -> String {
     let d = lit.ty().dtype;
     let s = d.size_in_bytes();
     let b = lit.bytes();
-    let splat = b.len() >= s && b.chunks(s).all(|c| c == &b[..s]);
-    if splat && !b.is_empty() {
-        return format!("dense<{}>", scalar_value(d, &b[..s]));
+    if !b.is_empty() && b.chunks(s).all(|c| c == &b[..s]) {
+        return format!("dense<{}>", scalar_value(lit, 0));
     }
     if d == DType::Bool {
         // i1 has no portable raw-hex layout: write the elements out, nested by shape.
@@ -99,7 +92,8 @@ fn dense(lit: &Literal) -> String {
 
 fn nest(vals: &[&str], dims: &[usize]) -> String {
     match dims.split_first() {
-        None => vals.first().copied().unwrap_or("false").to_string(),
+        // Rank 0: exactly one element (the literal's length is checked when it is built).
+        None => vals[0].to_string(),
         Some((&n, rest)) => {
             let chunk = rest.iter().product::<usize>().max(1);
             let parts: Vec<String> = (0..n)
