@@ -4,7 +4,6 @@
 //! StableHLO parser accepts regardless of pretty-printing changes between versions. Donated
 //! inputs carry `tf.aliasing_output`, the attribute PJRT reads for input/output aliasing.
 
-use super::conv::{im2col_graph, ConvLowering, ConvStrategy};
 use crate::error::{Error, Result};
 use crate::ir::{
     BinaryOp, CompareOp, ConvAttrs, DType, Graph, Literal, NodeId, Op, ReduceKind, TensorType,
@@ -196,7 +195,6 @@ struct Emitter<'g> {
     names: HashMap<NodeId, String>,
     /// Prefix of result names (`%v` at top level; longer inside an expanded op).
     prefix: String,
-    conv: &'g ConvStrategy,
 }
 
 impl<'g> Emitter<'g> {
@@ -692,29 +690,6 @@ impl<'g> Emitter<'g> {
                 self.select_and_scatter(&res, attrs, &args[0], &xt, &args[1], &st);
             }
             Op::Conv(c) => {
-                let xt = &self.g.node(n.operands[0]).ty;
-                let wt = &self.g.node(n.operands[1]).ty;
-                if self.conv.choose(c, xt, wt) == ConvLowering::Im2col {
-                    // Build the expansion as a small graph and emit it inline.
-                    let sub = im2col_graph(c, xt, wt)?;
-                    let direct = ConvStrategy::Direct;
-                    let mut e = Emitter {
-                        g: &sub,
-                        out: String::new(),
-                        names: HashMap::new(),
-                        prefix: format!("{res}_c"),
-                        conv: &direct,
-                    };
-                    e.names.insert(sub.inputs()[0].node, args[0].clone());
-                    e.names.insert(sub.inputs()[1].node, args[1].clone());
-                    for sid in sub.topo_order() {
-                        e.node(sid)?;
-                    }
-                    let y = e.names[&sub.outputs()[0]].clone();
-                    self.out.push_str(&e.out);
-                    self.names.insert(id, y);
-                    return Ok(());
-                }
                 let attrs = conv_attrs(c);
                 self.generic(
                     &res,
@@ -859,20 +834,16 @@ fn conv_attrs(c: &ConvAttrs) -> String {
 /// Lowers `graph` to a StableHLO module whose `@main` takes the graph inputs in order and
 /// returns the outputs in order.
 ///
-/// Every convolution is written as one `stablehlo.convolution`; [`lower_with`] chooses per node.
+/// Every op is written as it is; in particular every `Op::Conv` becomes one
+/// `stablehlo.convolution`. Graph rewrites (such as the XLA backend's im2col choice,
+/// [`Backend::rewrite`](crate::backend::Backend::rewrite)) happen before, on the graph;
+/// [`super::XlaBackend::lower`] applies its backend's rewrite and then this.
 pub fn lower(graph: &Graph) -> Result<String> {
-    lower_with(graph, &ConvStrategy::Direct)
-}
-
-/// Lowers `graph` like [`lower`], with `conv` choosing for each `Op::Conv` node between
-/// `stablehlo.convolution` and the im2col expansion ([`super::conv::im2col`]).
-pub fn lower_with(graph: &Graph, conv: &ConvStrategy) -> Result<String> {
     let mut e = Emitter {
         g: graph,
         out: String::new(),
         names: HashMap::new(),
         prefix: "%v".into(),
-        conv,
     };
     let alias_of: HashMap<usize, usize> = graph.aliases().iter().copied().collect();
     let mut params = Vec::new();
