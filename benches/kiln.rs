@@ -86,21 +86,24 @@ fn trace_and_compile(c: &mut Criterion) {
     let (model, inputs) = conv_model();
     let name = model.name().to_string();
     let sig: Vec<TensorType> = inputs.iter().map(|t| t.ty().clone()).collect();
-    let traced = || {
+    let traced = |backend: &dyn Fn(kiln::trace::Traced) -> kiln::Result<Program>| {
         let t = trace(&sig, |xs| Ok(vec![model.forward(xs, false)?])).expect("trace");
-        Program::new(t).expect("program")
+        backend(t).expect("program")
     };
+    // Preparation without a backend rewrite (the eager backend has none).
+    let eager = EagerBackend::new();
+    let for_eager = |t| Program::new(t, &eager);
     let mut g = configured(c, "trace");
     g.bench_function(format!("{name}/trace+prepare"), |b| {
-        b.iter(|| black_box(traced()))
+        b.iter(|| black_box(traced(&for_eager)))
     });
     g.finish();
 
-    let program = traced();
     let Ok(xla) = XlaBackend::new() else {
         eprintln!("compile: no PJRT plugin; skipping");
         return;
     };
+    let program = traced(&|t| Program::new(t, &xla));
     let mut g = configured(c, "compile");
     g.sample_size(10);
     g.bench_function(format!("{name}/xla_compile"), |b| {
@@ -116,6 +119,7 @@ fn trace_and_compile(c: &mut Criterion) {
         let (lin, x) = linear_model();
         let small = Program::new(
             trace(&[x.ty().clone()], |xs| Ok(vec![lin.forward(&xs[0])?])).expect("trace"),
+            &xla,
         )
         .expect("program");
         g.bench_function(format!("linear/graph_{}_nodes", small.graph.len()), |b| {

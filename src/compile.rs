@@ -22,10 +22,11 @@ pub enum TraceMode {
     EveryCall,
 }
 
-/// A traced graph prepared for one input signature: simplified, unused variables dropped,
-/// outputs deduplicated, state updates aliased to their inputs.
+/// A traced graph prepared for one input signature and backend: simplified, unused variables
+/// dropped, outputs deduplicated, state updates aliased to their inputs, rewritten by the
+/// backend ([`Backend::rewrite`]).
 pub struct Program {
-    /// The graph that is compiled.
+    /// The graph that is compiled (and fingerprinted).
     pub graph: Graph,
     /// One binding per graph input.
     pub bindings: Vec<Binding>,
@@ -40,8 +41,8 @@ pub struct Program {
 }
 
 impl Program {
-    /// Prepares a traced function for compilation.
-    pub fn new(traced: Traced) -> Result<Program> {
+    /// Prepares a traced function for compilation on `backend`.
+    pub fn new<B: Backend>(traced: Traced, backend: &B) -> Result<Program> {
         let Traced {
             mut graph,
             bindings,
@@ -77,6 +78,7 @@ impl Program {
             }
         }
         let outputs = dedup_outputs(&mut graph)?;
+        backend.rewrite(&mut graph)?;
         graph.verify()?;
         let fingerprint = graph.fingerprint();
         Ok(Program {
@@ -185,7 +187,7 @@ impl<B: Backend> CompiledFn<B> {
         }
         let t0 = Instant::now();
         let traced = trace(signature, |xs| (self.f)(xs))?;
-        let program = Rc::new(Program::new(traced)?);
+        let program = Rc::new(Program::new(traced, self.rt.backend())?);
         self.rt.metrics().traced(t0.elapsed());
         let exe = self.rt.executable(&program.graph, program.fingerprint)?;
         self.programs

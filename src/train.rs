@@ -697,7 +697,8 @@ impl<B: Backend> TrainStep<B> {
         Ok(())
     }
 
-    /// Finishes a stage graph: outputs, donation aliases, simplification, dedup, compile.
+    /// Finishes a stage graph: outputs, donation aliases, simplification, dedup, the backend's
+    /// rewrite, compile.
     fn stage(
         &self,
         name: &'static str,
@@ -714,6 +715,7 @@ impl<B: Backend> TrainStep<B> {
         }
         simplify(&mut g)?;
         let map = dedup_outputs(&mut g)?;
+        self.rt.backend().rewrite(&mut g)?;
         g.verify()?;
         let fp = g.fingerprint();
         let exe = self.rt.executable(&g, fp)?;

@@ -93,6 +93,40 @@ fn trace_every_call_traces_every_call_and_compiles_once() {
     assert_eq!((s.traces, s.compiles), (5, 2), "{s:?}");
 }
 
+/// `Tensor::cat` of 300 slices: more operands than fit in a byte (operand positions once were
+/// `u8` edge weights, and this graph failed to verify).
+fn cat_300(xs: &[Tensor]) -> kiln::Result<Vec<Tensor>> {
+    let parts = (0..300)
+        .rev()
+        .map(|i| xs[0].slice(0, 2 * i, 2 * i + 2, 1))
+        .collect::<kiln::Result<Vec<_>>>()?;
+    Ok(vec![Tensor::cat(&parts, 0)?.mul_scalar(2.0)?])
+}
+
+fn cat_300_on<B: Backend>(backend: B) {
+    let x = Tensor::randn(&[600], 7).unwrap();
+    let want = tch::no_grad(|| cat_300(std::slice::from_ref(&x)))
+        .unwrap()
+        .remove(0)
+        .to_f64_vec()
+        .unwrap();
+    let xv = x.to_f64_vec().unwrap();
+    assert_eq!(want[..2], [2.0 * xv[598], 2.0 * xv[599]], "eager reference");
+    let mut f = compile(backend, cat_300);
+    let y = f.run(std::slice::from_ref(&x)).unwrap();
+    assert_eq!(y[0].to_f64_vec().unwrap(), want);
+}
+
+#[test]
+fn cat_of_300_slices_compiles_xla() {
+    cat_300_on(XlaBackend::new().unwrap());
+}
+
+#[test]
+fn cat_of_300_slices_compiles_eager() {
+    cat_300_on(EagerBackend::new());
+}
+
 /// A small graph exercising inputs of two kinds, constants, attributes and two outputs.
 fn build(variant: &str) -> Graph {
     let mut g = Graph::new();

@@ -2,15 +2,21 @@
 //! eager interpreter (libtorch), on the attribute combinations forward and backward
 //! convolutions use: stride, padding (asymmetric, negative), kernel and input dilation, feature
 //! groups (grouped, depthwise), batch groups, 1-3 spatial dims; and on the convolutions
-//! kiln's autograd derives (input gradient, weight gradient) for resnet-like layers.
+//! kiln's autograd derives (input gradient, weight gradient) for resnet-like layers. Also: the
+//! backend applies the choice as a graph rewrite before fingerprinting, in compiled functions
+//! and training steps.
 
 use kiln::autograd::vjp;
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::conv::{im2col_graph, ConvStrategy};
-use kiln::backend::xla::{ConvLowering, XlaBackend, XlaOptions};
+use kiln::backend::xla::{ConvLowering, ConvStrategy, XlaBackend, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{ConvAttrs, DType, Graph, InputKind, Op, TensorType};
-use std::sync::OnceLock;
+use kiln::nn::{Init, ParamStore};
+use kiln::optim::Sgd;
+use kiln::passes::im2col_graph;
+use kiln::train::TrainStep;
+use kiln::{compile, Tensor};
+use std::sync::{Arc, Mutex, OnceLock};
 
 fn xla() -> &'static XlaBackend {
     static X: OnceLock<XlaBackend> = OnceLock::new();
@@ -307,4 +313,162 @@ fn unknown_debug_option_is_a_compile_error() {
         .expect("unknown option rejected")
         .to_string();
     assert!(e.contains("xla_cpu_no_such_option"), "{e}");
+}
+
+/// Records the graphs kiln compiles on it; everything else is the XLA backend's, including
+/// its rewrite.
+struct Recorder {
+    inner: XlaBackend,
+    graphs: Arc<Mutex<Vec<Graph>>>,
+}
+
+impl Recorder {
+    fn new(strategy: ConvStrategy) -> (Self, Arc<Mutex<Vec<Graph>>>) {
+        let graphs = Arc::new(Mutex::new(Vec::new()));
+        let inner = xla().with_options(XlaOptions::plain().conv(strategy));
+        let r = Recorder {
+            inner,
+            graphs: graphs.clone(),
+        };
+        (r, graphs)
+    }
+}
+
+impl Backend for Recorder {
+    type Buffer = <XlaBackend as Backend>::Buffer;
+    type Executable = <XlaBackend as Backend>::Executable;
+    fn name(&self) -> &str {
+        "recorder"
+    }
+    fn rewrite(&self, graph: &mut Graph) -> kiln::Result<()> {
+        self.inner.rewrite(graph)
+    }
+    fn compile(&self, graph: &Graph) -> kiln::Result<Self::Executable> {
+        self.graphs.lock().unwrap().push(graph.clone());
+        self.inner.compile(graph)
+    }
+    fn execute(
+        &self,
+        exe: &Self::Executable,
+        inputs: &[&Self::Buffer],
+    ) -> kiln::Result<Vec<Self::Buffer>> {
+        self.inner.execute(exe, inputs)
+    }
+    fn to_device(&self, t: &HostTensor) -> kiln::Result<Self::Buffer> {
+        self.inner.to_device(t)
+    }
+    fn to_host(&self, b: &Self::Buffer) -> kiln::Result<HostTensor> {
+        self.inner.to_host(b)
+    }
+    fn buffer_type(&self, b: &Self::Buffer) -> kiln::Result<TensorType> {
+        self.inner.buffer_type(b)
+    }
+}
+
+fn num_convs(g: &Graph) -> usize {
+    g.topo_order()
+        .into_iter()
+        .filter(|&n| matches!(g.node(n).op, Op::Conv(_)))
+        .count()
+}
+
+/// `relu(conv3x3(x, w, pad 1))` then a strided 1x1 convolution.
+fn two_convs(xs: &[Tensor]) -> kiln::Result<Vec<Tensor>> {
+    let y = xs[0]
+        .conv2d(&xs[1], None, [1, 1], [1, 1], [1, 1], 1)?
+        .relu()?;
+    Ok(vec![y.conv2d(&xs[2], None, [2, 2], [0, 0], [1, 1], 1)?])
+}
+
+/// A compiled function's program holds the graph after the backend's rewrite: that graph is
+/// fingerprinted and compiled, and its results are those of the direct convolutions.
+#[test]
+fn compiled_programs_hold_the_rewritten_graph() {
+    let inputs = [
+        Tensor::randn(&[2, 8, 6, 6], 1).unwrap(),
+        Tensor::randn(&[8, 8, 3, 3], 2).unwrap(),
+        Tensor::randn(&[4, 8, 1, 1], 3).unwrap(),
+    ];
+    let sig: Vec<TensorType> = inputs.iter().map(|t| t.ty().clone()).collect();
+    let want = tch::no_grad(|| two_convs(&inputs)).unwrap().remove(0);
+    let want = want.to_host().unwrap();
+    for (strategy, convs) in [(ConvStrategy::Direct, 2), (ConvStrategy::Im2col, 0)] {
+        let (rec, graphs) = Recorder::new(strategy.clone());
+        let mut f = compile(rec, two_convs);
+        let got = f.run(&inputs).unwrap().remove(0).to_host().unwrap();
+        assert_close(&format!("{strategy:?}"), &got, &want, 1e-5);
+        let p = f.program(&sig).expect("traced");
+        assert_eq!(num_convs(&p.graph), convs, "{strategy:?}");
+        assert_eq!(p.fingerprint, p.graph.fingerprint());
+        let compiled = graphs.lock().unwrap();
+        assert_eq!(compiled.len(), 1);
+        assert_eq!(compiled[0].fingerprint(), p.fingerprint, "{strategy:?}");
+    }
+    // The eager backend rewrites nothing.
+    let mut f = compile(EagerBackend::new(), two_convs);
+    f.run(&inputs).unwrap();
+    assert_eq!(num_convs(&f.program(&sig).unwrap().graph), 2);
+}
+
+/// `XlaBackend::lower` gives the same text for a graph and for its rewritten form.
+#[test]
+fn lowering_a_rewritten_graph_changes_nothing() {
+    let b = xla().with_options(XlaOptions::plain().conv(ConvStrategy::Im2col));
+    let (xs, ks, a) = cases().remove(1);
+    let g = conv_graph(
+        &a,
+        &TensorType::new(DType::F32, xs),
+        &TensorType::new(DType::F32, ks),
+    );
+    let mut r = g.clone();
+    b.rewrite(&mut r).unwrap();
+    assert_eq!(num_convs(&r), 0);
+    let text = b.lower(&r).unwrap();
+    assert_eq!(b.lower(&g).unwrap(), text);
+    assert_eq!(kiln::backend::xla::lower::lower(&r).unwrap(), text);
+}
+
+/// The forward, input-gradient and weight-gradient convolutions of a training step are all
+/// rewritten under `Im2col`; the losses are those of the direct lowering.
+#[test]
+fn train_stages_are_rewritten() {
+    let run = |strategy: ConvStrategy| {
+        let store = ParamStore::with_seed(3);
+        let w = store
+            .root()
+            .param(
+                "w",
+                &[6, 4, 3, 3],
+                Init::Normal {
+                    mean: 0.0,
+                    std: 0.3,
+                },
+            )
+            .unwrap();
+        let (rec, graphs) = Recorder::new(strategy);
+        let mut step = TrainStep::new(rec, &store, Sgd::new(), move |xs: &[Tensor]| {
+            let y = xs[0].conv2d(&w, None, [2, 2], [1, 1], [1, 1], 1)?;
+            y.mul(&y)?.mean_all()
+        })
+        .unwrap()
+        .with_lr(0.1);
+        let losses: Vec<f64> = (0..3)
+            .map(|s| {
+                step.step(&[Tensor::randn(&[2, 4, 7, 7], 10 + s).unwrap()])
+                    .unwrap()
+            })
+            .collect();
+        let convs: usize = graphs.lock().unwrap().iter().map(num_convs).sum();
+        (losses, convs)
+    };
+    let (direct, convs) = run(ConvStrategy::Direct);
+    assert!(convs >= 2, "forward and backward convolutions: {convs}");
+    let (im2col, convs) = run(ConvStrategy::Im2col);
+    assert_eq!(convs, 0);
+    for (a, b) in im2col.iter().zip(&direct) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+            "{im2col:?} vs {direct:?}"
+        );
+    }
 }

@@ -1268,6 +1268,13 @@ fn concat() {
         &x,
         Tol::Exact,
     );
+    // More operands than a byte can number (operand positions were once `u8`).
+    let xs: Vec<HostTensor> = (0..300)
+        .map(|k| any_data(&[2, 1], DType::I32, 100 + k))
+        .collect();
+    let refs: Vec<&HostTensor> = xs.iter().collect();
+    let want = gather_ref(&refs, None, &[2, 300], |o| Some((o[1], vec![o[0], 0])));
+    check("concat300", Op::Concat { axis: 1 }, &xs, &want, Tol::Exact);
 }
 
 fn pad_ref(

@@ -52,14 +52,26 @@ impl Element for bool {
 }
 
 impl HostTensor {
-    /// A tensor from raw bytes, checked against the type's size.
+    /// A tensor from raw little-endian, row-major bytes: exactly `numel × dtype size` of them
+    /// (a type whose size overflows `usize` is rejected), and for `Bool` each 0 or 1.
     pub fn from_bytes(ty: TensorType, data: Vec<u8>) -> Result<Self> {
-        if data.len() != ty.size_in_bytes() {
+        let Some(need) = ty.checked_size_in_bytes() else {
             return Err(Error::Invalid(format!(
-                "host tensor {ty} needs {} bytes, got {}",
-                ty.size_in_bytes(),
+                "host tensor {ty}: too large (its size in bytes overflows usize)"
+            )));
+        };
+        if data.len() != need {
+            return Err(Error::Invalid(format!(
+                "host tensor {ty} needs {need} bytes, got {}",
                 data.len()
             )));
+        }
+        if ty.dtype == DType::Bool {
+            if let Some((i, b)) = data.iter().enumerate().find(|(_, &b)| b > 1) {
+                return Err(Error::Invalid(format!(
+                    "host tensor {ty}: element {i} is the byte {b}, a bool must be 0 or 1"
+                )));
+            }
         }
         Ok(HostTensor { ty, data })
     }
@@ -182,5 +194,30 @@ impl std::fmt::Debug for HostTensor {
             shown.join(", "),
             if v.len() > 8 { ", ..." } else { "" }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn from_bytes_rejects_malformed_data() {
+        let f = TensorType::new(DType::F32, [3]);
+        assert!(HostTensor::from_bytes(f.clone(), vec![0; 11]).is_err());
+        assert!(HostTensor::from_bytes(f, vec![0; 12]).is_ok());
+        let huge = TensorType::new(DType::I64, [1 << 61, 1 << 3]);
+        let e = HostTensor::from_bytes(huge, Vec::new()).unwrap_err();
+        assert!(e.to_string().contains("too large"), "{e}");
+        let b = TensorType::new(DType::Bool, [2]);
+        let e = HostTensor::from_bytes(b.clone(), vec![0, 255]).unwrap_err();
+        assert!(e.to_string().contains("element 1"), "{e}");
+        assert_eq!(
+            HostTensor::from_bytes(b, vec![0, 1])
+                .unwrap()
+                .to_vec::<bool>()
+                .unwrap(),
+            [false, true]
+        );
     }
 }

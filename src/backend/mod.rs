@@ -23,8 +23,11 @@ use crate::ir::{Graph, TensorType};
 /// A compile-and-run engine for graphs.
 ///
 /// Contract:
-/// - [`Backend::compile`] receives a verified graph. It may reject ops it does not support with
-///   [`crate::Error::Unsupported`].
+/// - [`Backend::rewrite`] runs once on every graph kiln prepares for this backend, before the
+///   graph is fingerprinted (the compile-cache key) and compiled: what is compiled is what was
+///   fingerprinted.
+/// - [`Backend::compile`] receives a verified graph (from kiln's runtime: one already
+///   rewritten). It may reject ops it does not support with [`crate::Error::Unsupported`].
 /// - [`Backend::execute`] receives one buffer per graph input, in order, with the declared types,
 ///   and returns one buffer per graph output, in order. Inputs listed in
 ///   [`Graph::aliases`] are *donated*: the backend may reuse their memory for the aliased
@@ -39,6 +42,18 @@ pub trait Backend: Send + Sync + 'static {
 
     /// A short name (`"eager"`, `"xla"`), used in messages and tables.
     fn name(&self) -> &str;
+
+    /// Rewrites `graph` into the form this backend compiles (e.g. ops it implements better
+    /// as other ops: [`crate::passes::Im2col`]). The default changes nothing.
+    ///
+    /// The rewrite must keep the graph's signature (inputs, outputs, their order and types,
+    /// aliases) and its values, and should be idempotent. It runs after kiln's own
+    /// simplification, and the result is verified before it is fingerprinted; the compile
+    /// cache key is the rewritten graph's fingerprint plus [`Backend::cache_key`].
+    fn rewrite(&self, graph: &mut Graph) -> Result<()> {
+        let _ = graph;
+        Ok(())
+    }
 
     /// Compiles `graph`.
     fn compile(&self, graph: &Graph) -> Result<Self::Executable>;

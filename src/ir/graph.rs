@@ -17,7 +17,8 @@ pub struct Node {
     pub op: Op,
     /// The type of the produced value.
     pub ty: TensorType,
-    /// Operands, in order. Mirrored by the graph's edges (edge weight = operand position).
+    /// Operands, in order. Mirrored by the graph's edges (edge weight = operand position, a
+    /// `usize`: an op such as `Concat` may have any number of operands).
     pub operands: SmallVec<[NodeId; 3]>,
 }
 
@@ -62,7 +63,7 @@ pub struct Input {
 /// always exist before it, so insertion order is a topological order until a pass rewires uses.
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
-    g: StableDiGraph<Node, u8>,
+    g: StableDiGraph<Node, usize>,
     inputs: Vec<Input>,
     outputs: Vec<NodeId>,
     /// `(input, output)` pairs whose buffers may be shared: the input is donated.
@@ -120,7 +121,7 @@ impl Graph {
             operands: SmallVec::from_slice(operands),
         });
         for (i, &o) in operands.iter().enumerate() {
-            self.g.add_edge(o, id, i as u8);
+            self.g.add_edge(o, id, i);
         }
         id
     }
@@ -204,7 +205,7 @@ impl Graph {
     }
 
     /// The underlying petgraph graph (read-only), e.g. for petgraph's algorithms.
-    pub fn petgraph(&self) -> &StableDiGraph<Node, u8> {
+    pub fn petgraph(&self) -> &StableDiGraph<Node, usize> {
         &self.g
     }
 
@@ -269,7 +270,7 @@ impl Graph {
                 self.g[old].ty, self.g[new].ty
             )));
         }
-        let uses: Vec<(petgraph::stable_graph::EdgeIndex<u32>, NodeId, u8)> = self
+        let uses: Vec<(petgraph::stable_graph::EdgeIndex<u32>, NodeId, usize)> = self
             .g
             .edges_directed(old, Direction::Outgoing)
             .map(|e| (e.id(), e.target(), *e.weight()))
@@ -277,7 +278,7 @@ impl Graph {
         for (e, user, pos) in uses {
             self.g.remove_edge(e);
             self.g.add_edge(new, user, pos);
-            self.g[user].operands[pos as usize] = new;
+            self.g[user].operands[pos] = new;
         }
         for o in &mut self.outputs {
             if *o == old {
@@ -345,7 +346,7 @@ impl Graph {
     pub fn verify(&self) -> Result<()> {
         for id in self.g.node_indices() {
             let n = &self.g[id];
-            let mut edges: Vec<(u8, NodeId)> = self
+            let mut edges: Vec<(usize, NodeId)> = self
                 .g
                 .edges_directed(id, Direction::Incoming)
                 .map(|e| (*e.weight(), e.source()))
@@ -383,5 +384,46 @@ impl Graph {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::DType;
+
+    /// A `Concat` of 300 inputs: more operands than a `u8` position can number.
+    fn wide_concat() -> (Graph, Vec<NodeId>, NodeId) {
+        let mut g = Graph::new();
+        let xs: Vec<NodeId> = (0..300)
+            .map(|i| {
+                g.add_input(
+                    InputKind::Data,
+                    format!("x{i}"),
+                    TensorType::new(DType::F32, [1]),
+                )
+            })
+            .collect();
+        let y = g.add(Op::Concat { axis: 0 }, &xs).unwrap();
+        g.set_outputs(vec![y]).unwrap();
+        (g, xs, y)
+    }
+
+    #[test]
+    fn more_than_255_operands_verify() {
+        let (g, _, y) = wide_concat();
+        g.verify().unwrap();
+        assert_eq!(g.node(y).operands.len(), 300);
+    }
+
+    #[test]
+    fn replace_uses_rewrites_the_operand_at_a_high_position() {
+        let (mut g, xs, y) = wide_concat();
+        let z = g.add_input(InputKind::Data, "z", TensorType::new(DType::F32, [1]));
+        g.replace_uses(xs[260], z).unwrap();
+        g.verify().unwrap();
+        let ops = &g.node(y).operands;
+        assert_eq!(ops[260], z);
+        assert!(ops.iter().enumerate().all(|(i, &o)| i == 260 || o == xs[i]));
     }
 }

@@ -278,15 +278,32 @@ pub struct Literal {
 }
 
 impl Literal {
-    /// A literal from raw bytes (checked against the type's size).
+    /// A literal from raw little-endian, row-major bytes.
+    ///
+    /// Rejects bytes that do not encode exactly one value of `ty`: a length other than
+    /// `numel × dtype size` (or a type too large to exist), and `Bool` bytes other than 0 or 1.
+    /// Every later read of the literal can therefore rely on its bytes.
     pub fn from_bytes(ty: TensorType, bytes: impl Into<Arc<[u8]>>) -> Result<Self> {
         let bytes = bytes.into();
-        if bytes.len() != ty.size_in_bytes() {
+        let Some(need) = ty.checked_size_in_bytes() else {
             return Err(Error::Invalid(format!(
-                "literal of type {ty} needs {} bytes, got {}",
-                ty.size_in_bytes(),
+                "literal of type {ty}: too large (its size in bytes overflows usize)"
+            )));
+        };
+        if bytes.len() != need {
+            return Err(Error::Invalid(format!(
+                "literal of type {ty} needs {need} bytes ({} elements of {} bytes), got {}",
+                ty.shape.numel(),
+                ty.dtype.size_in_bytes(),
                 bytes.len()
             )));
+        }
+        if ty.dtype == DType::Bool {
+            if let Some((i, b)) = bytes.iter().enumerate().find(|(_, &b)| b > 1) {
+                return Err(Error::Invalid(format!(
+                    "literal of type {ty}: element {i} is the byte {b}, a bool must be 0 or 1"
+                )));
+            }
         }
         Ok(Literal { ty, bytes })
     }
@@ -317,17 +334,25 @@ impl Literal {
         &self.bytes
     }
 
-    /// Element `i` converted to `f64` (for printing and constant folding).
+    /// The `N` bytes of element `i` (`N` = the dtype's size). Panics if `i` is out of range,
+    /// like slice indexing; the length is right by construction ([`Literal::from_bytes`]).
+    pub(crate) fn element_bytes<const N: usize>(&self, i: usize) -> [u8; N] {
+        debug_assert_eq!(N, self.ty.dtype.size_in_bytes());
+        let mut a = [0u8; N];
+        a.copy_from_slice(&self.bytes[i * N..(i + 1) * N]);
+        a
+    }
+
+    /// Element `i` converted to `f64` (for printing and constant folding). Panics if `i` is
+    /// not below the number of elements.
     pub fn get_f64(&self, i: usize) -> f64 {
-        let s = self.ty.dtype.size_in_bytes();
-        let b = &self.bytes[i * s..(i + 1) * s];
         match self.ty.dtype {
-            DType::Bool => (b[0] != 0) as u8 as f64,
-            DType::U32 => u32::from_le_bytes(b.try_into().unwrap_or_default()) as f64,
-            DType::I32 => i32::from_le_bytes(b.try_into().unwrap_or_default()) as f64,
-            DType::I64 => i64::from_le_bytes(b.try_into().unwrap_or_default()) as f64,
-            DType::F32 => f32::from_le_bytes(b.try_into().unwrap_or_default()) as f64,
-            DType::F64 => f64::from_le_bytes(b.try_into().unwrap_or_default()),
+            DType::Bool => self.bytes[i] as f64,
+            DType::U32 => u32::from_le_bytes(self.element_bytes(i)) as f64,
+            DType::I32 => i32::from_le_bytes(self.element_bytes(i)) as f64,
+            DType::I64 => i64::from_le_bytes(self.element_bytes(i)) as f64,
+            DType::F32 => f32::from_le_bytes(self.element_bytes(i)) as f64,
+            DType::F64 => f64::from_le_bytes(self.element_bytes(i)),
         }
     }
 
@@ -1016,5 +1041,42 @@ mod tests {
         .infer(&[&t(DType::F32, &[10])])
         .unwrap();
         assert_eq!(s.shape.dims(), &[3]);
+    }
+
+    #[test]
+    fn literal_bytes_must_match_the_type() {
+        // Too few, too many, and not a whole number of elements.
+        for n in [0, 7, 9, 10] {
+            let e = Literal::from_bytes(t(DType::F32, &[2]), vec![0u8; n])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("f32[2]") && e.contains("8 bytes"), "{n}: {e}");
+        }
+        let lit = Literal::from_bytes(
+            t(DType::I64, &[2]),
+            [7i64, -3].map(i64::to_le_bytes).concat(),
+        )
+        .unwrap();
+        assert_eq!((lit.get_f64(0), lit.get_f64(1)), (7.0, -3.0));
+    }
+
+    #[test]
+    fn literal_rejects_a_size_that_overflows() {
+        // numel × 4 wraps to 0 in usize: an empty byte string must not pass as that tensor.
+        let huge = t(DType::F32, &[1 << 62, 8]);
+        let e = Literal::from_bytes(huge, Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("too large"), "{e}");
+    }
+
+    #[test]
+    fn bool_literal_bytes_are_zero_or_one() {
+        let e = Literal::from_bytes(t(DType::Bool, &[3]), vec![1, 0, 2])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("element 2") && e.contains("0 or 1"), "{e}");
+        let ok = Literal::from_bytes(t(DType::Bool, &[3]), vec![1, 0, 1]).unwrap();
+        assert_eq!(ok.get_f64(2), 1.0);
     }
 }

@@ -113,6 +113,15 @@ impl TensorType {
         self.shape.numel() * self.dtype.size_in_bytes()
     }
 
+    /// Size of the data in bytes, or `None` if it overflows `usize` (a shape no buffer can
+    /// hold; [`TensorType::size_in_bytes`] would wrap).
+    pub fn checked_size_in_bytes(&self) -> Option<usize> {
+        self.shape
+            .dims()
+            .iter()
+            .try_fold(self.dtype.size_in_bytes(), |n, &d| n.checked_mul(d))
+    }
+
     /// The same shape with another element type.
     pub fn with_dtype(&self, dtype: DType) -> Self {
         TensorType {

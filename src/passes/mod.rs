@@ -4,10 +4,12 @@
 mod cse;
 mod dce;
 mod dedup;
+mod im2col;
 
 pub use cse::Cse;
 pub use dce::Dce;
 pub use dedup::{dedup_outputs, OutputSource};
+pub use im2col::{im2col, im2col_graph, Im2col};
 
 use crate::error::Result;
 use crate::ir::Graph;

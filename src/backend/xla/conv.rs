@@ -1,18 +1,18 @@
 //! How the XLA backend lowers convolutions: a per-node choice between StableHLO's
-//! `convolution` and an im2col expansion into pad + strided slices + concat + one `dot_general`.
+//! `convolution` and the im2col expansion ([`crate::passes::im2col()`]: pad + strided slices +
+//! concat + one `dot_general`).
 //!
 //! XLA:CPU's own convolution kernels are fast for few channels but 1.5–9× slower than
 //! libtorch (oneDNN) at 128–512 channels on small images; the same convolution written as one
 //! matrix product over gathered patches runs through XLA's matmul path, which is on par with
 //! libtorch. [`ConvStrategy`] decides per `Op::Conv` node, from its attributes and operand
-//! types, which [`ConvLowering`] the backend emits; [`ConvStrategy::Auto`] is the measured
-//! default (see [`ConvStrategy::auto_rule`]).
-//!
-//! [`im2col`] builds the expansion as ordinary graph ops, so it can also be run on any other
-//! backend (the tests compare it with the direct convolution on the eager backend and on XLA).
+//! types, which [`ConvLowering`] it gets; [`ConvStrategy::Auto`] is the measured default (see
+//! [`ConvStrategy::auto_rule`]). The backend applies the choice as a graph rewrite
+//! ([`Backend::rewrite`](crate::backend::Backend::rewrite) with the
+//! [`Im2col`](crate::passes::Im2col) pass) before the graph is fingerprinted and compiled; the
+//! emitter writes every convolution left in the graph as one `stablehlo.convolution`.
 
-use crate::error::{Error, Result};
-use crate::ir::{ConvAttrs, DotDims, Graph, NodeId, Op, Shape, TensorType};
+use crate::ir::{ConvAttrs, TensorType};
 use std::fmt;
 
 /// The two ways to lower one convolution.
@@ -21,7 +21,7 @@ pub enum ConvLowering {
     /// One `stablehlo.convolution` (XLA's convolution emitter).
     Direct,
     /// Patches gathered with strided slices and concatenated, then one `dot_general`
-    /// (see [`im2col`]).
+    /// (see [`crate::passes::im2col()`]).
     Im2col,
 }
 
@@ -127,207 +127,3 @@ pub const AUTO_MAX_EXTENT: i64 = 6;
 /// The largest padded spatial extent [`ConvStrategy::auto_rule`] lowers as im2col for a 1×1
 /// kernel (a plain matrix product).
 pub const AUTO_MAX_EXTENT_1X1: i64 = 16;
-
-fn reshape(g: &mut Graph, x: NodeId, dims: &[usize]) -> Result<NodeId> {
-    g.add(Op::Reshape(Shape::new(dims)), &[x])
-}
-
-/// Adds to `g` the im2col expansion of `Op::Conv(c)` on input `x` `[N, C, *spatial]` and
-/// kernel `w` `[O, C/groups, *k]`, and returns the node holding the result, of exactly the
-/// type `Op::Conv(c)` would have.
-///
-/// The expansion, for `n` spatial dims, `T = prod(k)` kernel taps and `Y` output positions:
-///
-/// 1. the input goes channels-first, `[C, N, *spatial]`, and is padded (edges, possibly
-///    negative, and interior zeros for `lhs_dilation`);
-/// 2. patches `[C, T, N, Y]` are cut out with strided slices and concatenated: one slice per
-///    kernel tap (each covers every output position) or one per output position (each covers
-///    the whole window), whichever are fewer (the weight gradient's convolution has a large
-///    "kernel" and few outputs);
-/// 3. one `dot_general` multiplies the kernel as it lies in memory, `[O, C * T]`, with the
-///    patches `[C * T, N * Y]` (no copy of the kernel; feature groups and batch groups become
-///    a batch dimension of the product);
-/// 4. the result `[O, N, Y]` goes back to `[N, O, *Y]`.
-pub fn im2col(g: &mut Graph, c: &ConvAttrs, x: NodeId, w: NodeId) -> Result<NodeId> {
-    let xt = g.node(x).ty.clone();
-    let wt = g.node(w).ty.clone();
-    let out_ty = {
-        // Type check up front, so errors name the convolution.
-        let mut probe = Graph::new();
-        let a = probe.add_input(crate::ir::InputKind::Data, "x", xt.clone());
-        let b = probe.add_input(crate::ir::InputKind::Data, "w", wt.clone());
-        let r = probe.add(Op::Conv(c.clone()), &[a, b])?;
-        probe.node(r).ty.clone()
-    };
-    let n = c.strides.len();
-    let xd = xt.shape.dims().to_vec();
-    let wd = wt.shape.dims().to_vec();
-    let (batch, cin) = (xd[0], xd[1]);
-    let (cout, cin_g) = (wd[0], wd[1]);
-    let ksp: Vec<usize> = wd[2..].to_vec();
-    let ysp: Vec<usize> = out_ty.shape.dims()[2..].to_vec();
-    let taps: usize = ksp.iter().product();
-    let npos: usize = ysp.iter().product();
-    let (fg, bg) = (c.feature_groups, c.batch_groups);
-    if fg > 1 && bg > 1 {
-        return Err(Error::Invalid(
-            "im2col: feature and batch groups both > 1".into(),
-        ));
-    }
-
-    // 1. Channels first, padded: [C, N, *P].
-    let mut perm = vec![1, 0];
-    perm.extend(2..n + 2);
-    let mut xc = g.add(Op::Transpose(perm), &[x])?;
-    let needs_pad =
-        c.lhs_dilation.iter().any(|&d| d > 1) || c.padding.iter().any(|&(l, h)| l != 0 || h != 0);
-    if needs_pad {
-        let zero = g.add(Op::Constant(crate::ir::Literal::scalar(xt.dtype, 0.0)), &[])?;
-        let mut low = vec![0i64, 0];
-        let mut high = vec![0i64, 0];
-        let mut interior = vec![0usize, 0];
-        for i in 0..n {
-            low.push(c.padding[i].0);
-            high.push(c.padding[i].1);
-            interior.push(c.lhs_dilation[i] - 1);
-        }
-        xc = g.add(
-            Op::Pad {
-                low,
-                high,
-                interior,
-            },
-            &[xc, zero],
-        )?;
-    }
-    let pd = g.node(xc).ty.shape.dims().to_vec();
-
-    // 2. Patches [C, T, N, Y].
-    let slice = |g: &mut Graph, start: Vec<usize>, limit: Vec<usize>, stride: Vec<usize>| {
-        let mut st = vec![0, 0];
-        st.extend(start);
-        let mut li = vec![cin, batch];
-        li.extend(limit);
-        let mut sd = vec![1, 1];
-        sd.extend(stride);
-        g.add(
-            Op::Slice {
-                start: st,
-                limit: li,
-                stride: sd,
-            },
-            &[xc],
-        )
-    };
-    let patches = if taps == 1 && (0..n).all(|i| ysp[i] == pd[i + 2]) {
-        // 1x1 kernel, stride 1, nothing cropped: the padded input is the patch tensor.
-        xc
-    } else if taps <= npos {
-        let mut parts = Vec::with_capacity(taps);
-        for t in 0..taps {
-            let tap = unravel(t, &ksp);
-            let start: Vec<usize> = (0..n).map(|i| tap[i] * c.rhs_dilation[i]).collect();
-            let limit: Vec<usize> = (0..n)
-                .map(|i| start[i] + (ysp[i] - 1) * c.strides[i] + 1)
-                .collect();
-            let s = slice(g, start, limit, c.strides.clone())?;
-            parts.push(reshape(g, s, &[cin, 1, batch * npos])?);
-        }
-        if parts.len() == 1 {
-            parts[0]
-        } else {
-            g.add(Op::Concat { axis: 1 }, &parts)?
-        }
-    } else {
-        let mut parts = Vec::with_capacity(npos);
-        let mut to_last = vec![0];
-        to_last.extend(2..n + 2);
-        to_last.push(1);
-        for p in 0..npos {
-            let pos = unravel(p, &ysp);
-            let start: Vec<usize> = (0..n).map(|i| pos[i] * c.strides[i]).collect();
-            let limit: Vec<usize> = (0..n)
-                .map(|i| start[i] + (ksp[i] - 1) * c.rhs_dilation[i] + 1)
-                .collect();
-            // [C, N, *k] -> [C, *k, N] -> [C, T, N, 1]
-            let s = slice(g, start, limit, c.rhs_dilation.clone())?;
-            let s = g.add(Op::Transpose(to_last.clone()), &[s])?;
-            parts.push(reshape(g, s, &[cin, taps, batch, 1])?);
-        }
-        if parts.len() == 1 {
-            parts[0]
-        } else {
-            g.add(Op::Concat { axis: 3 }, &parts)?
-        }
-    };
-
-    // 3. The product, 4. back to [N, O, *Y].
-    let mut out_dims = vec![batch / bg, cout];
-    out_dims.extend_from_slice(&ysp);
-    if fg == 1 && bg == 1 {
-        // [O, C * T] x [C * T, N * Y]: a plain matrix product.
-        let lhs = reshape(g, w, &[cout, cin * taps])?;
-        let rhs = reshape(g, patches, &[cin * taps, batch * npos])?;
-        let dims = DotDims {
-            lhs_contract: vec![1],
-            rhs_contract: vec![0],
-            ..Default::default()
-        };
-        let y = g.add(Op::DotGeneral(dims), &[lhs, rhs])?;
-        let y = reshape(g, y, &[cout, batch, npos])?;
-        let y = g.add(Op::Transpose(vec![1, 0, 2]), &[y])?;
-        return reshape(g, y, &out_dims);
-    }
-    // Groups: G blocks of the product. Feature groups split the channels, batch groups split
-    // the batch; both split the kernel's output features.
-    let groups = fg.max(bg);
-    let og = cout / groups;
-    // Kernel [G, O/G, C/G, T].
-    let lhs = reshape(g, w, &[groups, og, cin_g, taps])?;
-    let (rhs, dims) = if fg > 1 {
-        // [G, C/G, T, N, Y]
-        let rhs = reshape(g, patches, &[fg, cin_g, taps, batch, npos])?;
-        let dims = DotDims {
-            lhs_batch: vec![0],
-            rhs_batch: vec![0],
-            lhs_contract: vec![2, 3],
-            rhs_contract: vec![1, 2],
-        };
-        (rhs, dims)
-    } else {
-        // [C, T, G, N/G, Y]
-        let rhs = reshape(g, patches, &[cin, taps, bg, batch / bg, npos])?;
-        let dims = DotDims {
-            lhs_batch: vec![0],
-            rhs_batch: vec![2],
-            lhs_contract: vec![2, 3],
-            rhs_contract: vec![0, 1],
-        };
-        (rhs, dims)
-    };
-    // [G, O/G, N', Y] -> [N', G, O/G, Y] -> [N', O, *Y].
-    let y = g.add(Op::DotGeneral(dims), &[lhs, rhs])?;
-    let y = g.add(Op::Transpose(vec![2, 0, 1, 3]), &[y])?;
-    reshape(g, y, &out_dims)
-}
-
-/// Row-major multi-index of the flat index `i` in `dims`.
-fn unravel(mut i: usize, dims: &[usize]) -> Vec<usize> {
-    let mut idx = vec![0; dims.len()];
-    for d in (0..dims.len()).rev() {
-        idx[d] = i % dims[d];
-        i /= dims[d];
-    }
-    idx
-}
-
-/// A graph of one convolution lowered as im2col: inputs `x`, `w`; one output. For tests and
-/// measurements.
-pub fn im2col_graph(c: &ConvAttrs, x: &TensorType, w: &TensorType) -> Result<Graph> {
-    let mut g = Graph::new();
-    let a = g.add_input(crate::ir::InputKind::Data, "x", x.clone());
-    let b = g.add_input(crate::ir::InputKind::Data, "w", w.clone());
-    let y = im2col(&mut g, c, a, b)?;
-    g.set_outputs(vec![y])?;
-    Ok(g)
-}

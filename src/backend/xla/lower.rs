@@ -3,12 +3,17 @@
 //! Ops are written in MLIR's generic form (`"stablehlo.add"(%a, %b) : (..) -> ..`), which every
 //! StableHLO parser accepts regardless of pretty-printing changes between versions. Donated
 //! inputs carry `tf.aliasing_output`, the attribute PJRT reads for input/output aliasing.
+//!
+//! Each node is written as its `Lowering`, looked up in one table (`fn lowering`): most ops
+//! are one StableHLO op with attributes; a few are hand-written expansions (reductions with
+//! regions, NaN-propagating float min/max, the deterministic select-and-scatter, the clamped
+//! scatter-add). Graph-level rewrites (the im2col convolutions) are not done here but on the
+//! graph beforehand ([`crate::backend::Backend::rewrite`]).
 
-use super::conv::{im2col_graph, ConvLowering, ConvStrategy};
 use crate::error::{Error, Result};
 use crate::ir::{
-    BinaryOp, CompareOp, ConvAttrs, DType, Graph, Literal, NodeId, Op, ReduceKind, TensorType,
-    UnaryOp, WindowAttrs,
+    BinaryOp, CompareOp, ConvAttrs, DType, DotDims, Graph, Literal, Node, NodeId, Op, ReduceKind,
+    TensorType, UnaryOp, WindowAttrs,
 };
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -54,22 +59,16 @@ fn list(v: &[usize]) -> String {
     format!("[{}]", items.join(", "))
 }
 
-/// One element of a literal as an MLIR attribute value. Floats are written as their exact bit
+/// Element `i` of a literal as an MLIR attribute value. Floats are written as their exact bit
 /// pattern in hex, so constants survive the round trip bit for bit.
-fn scalar_value(d: DType, bytes: &[u8]) -> String {
-    match d {
-        DType::Bool => if bytes[0] != 0 { "true" } else { "false" }.to_string(),
-        DType::U32 => u32::from_le_bytes(bytes.try_into().unwrap_or_default()).to_string(),
-        DType::I32 => i32::from_le_bytes(bytes.try_into().unwrap_or_default()).to_string(),
-        DType::I64 => i64::from_le_bytes(bytes.try_into().unwrap_or_default()).to_string(),
-        DType::F32 => format!(
-            "0x{:08X}",
-            u32::from_le_bytes(bytes.try_into().unwrap_or_default())
-        ),
-        DType::F64 => format!(
-            "0x{:016X}",
-            u64::from_le_bytes(bytes.try_into().unwrap_or_default())
-        ),
+fn scalar_value(lit: &Literal, i: usize) -> String {
+    match lit.ty().dtype {
+        DType::Bool => if lit.bytes()[i] != 0 { "true" } else { "false" }.to_string(),
+        DType::U32 => u32::from_le_bytes(lit.element_bytes(i)).to_string(),
+        DType::I32 => i32::from_le_bytes(lit.element_bytes(i)).to_string(),
+        DType::I64 => i64::from_le_bytes(lit.element_bytes(i)).to_string(),
+        DType::F32 => format!("0x{:08X}", u32::from_le_bytes(lit.element_bytes(i))),
+        DType::F64 => format!("0x{:016X}", u64::from_le_bytes(lit.element_bytes(i))),
     }
 }
 
@@ -77,9 +76,8 @@ fn dense(lit: &Literal) -> String {
     let d = lit.ty().dtype;
     let s = d.size_in_bytes();
     let b = lit.bytes();
-    let splat = b.len() >= s && b.chunks(s).all(|c| c == &b[..s]);
-    if splat && !b.is_empty() {
-        return format!("dense<{}>", scalar_value(d, &b[..s]));
+    if !b.is_empty() && b.chunks(s).all(|c| c == &b[..s]) {
+        return format!("dense<{}>", scalar_value(lit, 0));
     }
     if d == DType::Bool {
         // i1 has no portable raw-hex layout: write the elements out, nested by shape.
@@ -99,7 +97,8 @@ fn dense(lit: &Literal) -> String {
 
 fn nest(vals: &[&str], dims: &[usize]) -> String {
     match dims.split_first() {
-        None => vals.first().copied().unwrap_or("false").to_string(),
+        // Rank 0: exactly one element (the literal's length is checked when it is built).
+        None => vals[0].to_string(),
         Some((&n, rest)) => {
             let chunk = rest.iter().product::<usize>().max(1);
             let parts: Vec<String> = (0..n)
@@ -199,10 +198,8 @@ fn padding_attr(p: &[(i64, i64)]) -> String {
 struct Emitter<'g> {
     g: &'g Graph,
     out: String,
+    /// The SSA name of each node written so far.
     names: HashMap<NodeId, String>,
-    /// Prefix of result names (`%v` at top level; longer inside an expanded op).
-    prefix: String,
-    conv: &'g ConvStrategy,
 }
 
 impl<'g> Emitter<'g> {
@@ -493,321 +490,253 @@ impl<'g> Emitter<'g> {
         );
     }
 
-    fn node(&mut self, id: NodeId) -> Result<()> {
-        if self.names.contains_key(&id) {
-            // Bound from outside (inputs of an expansion).
-            return Ok(());
+    /// `stablehlo.reduce` or `stablehlo.reduce_window` (`op`, with attributes `attrs`) for
+    /// node `n` reducing its operand `x` by `kind`.
+    fn reduce(&mut self, res: &str, n: &Node, x: &str, op: &str, kind: ReduceKind, attrs: &str) {
+        let d = n.ty.dtype;
+        let init = format!("{res}_init");
+        self.constant(&init, &identity_literal(kind, d));
+        let region = self.region(&format!("{res}_body"), d, reducer_op(kind));
+        let st = tensor_type(&TensorType::scalar(d));
+        let _ = writeln!(
+            self.out,
+            "    {res} = \"{op}\"({x}, {init}) ({region}) {{{attrs}}} : ({}, {st}) -> {}",
+            self.ty(n.operands[0]),
+            tensor_type(&n.ty)
+        );
+    }
+
+    /// `ScatterAdd` along `axis`: `stablehlo.scatter` with an add region, indices clamped
+    /// into range first, as `Take` clamps them (XLA's scatter would drop them).
+    fn scatter_add(&mut self, res: &str, axis: usize, args: &[String], n: &Node) {
+        let bt = &self.g.node(n.operands[0]).ty;
+        let it = &self.g.node(n.operands[1]).ty;
+        let r = it.shape.rank();
+        let lo = format!("{res}_lo");
+        let hi = format!("{res}_hi");
+        let clamped = format!("{res}_idx");
+        self.constant(&lo, &Literal::scalar(it.dtype, 0.0));
+        self.constant(
+            &hi,
+            &Literal::scalar(it.dtype, (bt.shape.dim(axis) as f64 - 1.0).max(0.0)),
+        );
+        let its = tensor_type(it);
+        let ss = tensor_type(&TensorType::scalar(it.dtype));
+        self.generic(
+            &clamped,
+            "stablehlo.clamp",
+            &[&lo, &args[1], &hi],
+            &[ss.clone(), its.clone(), ss],
+            "",
+            &its,
+        );
+        let rest = bt.shape.rank() - axis - 1;
+        let window: Vec<usize> = (0..axis).chain(axis + r..axis + r + rest).collect();
+        let mut dn = Vec::new();
+        if !window.is_empty() {
+            dn.push(format!("update_window_dims = {}", list(&window)));
         }
+        dn.push(format!("inserted_window_dims = [{axis}]"));
+        dn.push(format!("scatter_dims_to_operand_dims = [{axis}]"));
+        dn.push(format!("index_vector_dim = {r}"));
+        let region = self.region(&format!("{res}_body"), bt.dtype, "stablehlo.add");
+        let ut = self.ty(n.operands[2]);
+        let _ = writeln!(
+            self.out,
+            "    {res} = \"stablehlo.scatter\"({}, {clamped}, {}) ({region}) {{scatter_dimension_numbers = #stablehlo.scatter<{}>, indices_are_sorted = false, unique_indices = false}} : ({}, {its}, {ut}) -> {}",
+            args[0],
+            args[2],
+            dn.join(", "),
+            tensor_type(bt),
+            tensor_type(&n.ty),
+        );
+    }
+
+    /// Writes node `id` (its operands are written already).
+    fn node(&mut self, id: NodeId) {
         let n = self.g.node(id);
-        let res = format!("{}{}", self.prefix, id.index());
+        let res = format!("%v{}", id.index());
         let out_ty = tensor_type(&n.ty);
         let args: Vec<String> = n
             .operands
             .iter()
             .map(|&o| self.name(o).to_string())
             .collect();
-        let arg_refs: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
         let arg_tys: Vec<String> = n.operands.iter().map(|&o| self.ty(o)).collect();
-        match &n.op {
-            Op::Input(i) => {
+        match lowering(self.g, n) {
+            Lowering::Argument(i) => {
                 self.names.insert(id, format!("%arg{i}"));
-                return Ok(());
+                return;
             }
-            Op::Constant(lit) => self.constant(&res, lit),
-            Op::Iota { dim, .. } => self.generic(
-                &res,
-                "stablehlo.iota",
-                &[],
-                &[],
-                &format!("iota_dimension = {dim} : i64"),
-                &out_ty,
-            ),
-            Op::Unary(u) => self.generic(&res, unary_name(*u), &arg_refs, &arg_tys, "", &out_ty),
-            Op::Binary(b) => {
-                let body = combine(
-                    &res,
-                    binary_name(*b),
-                    &args[0],
-                    &args[1],
-                    n.ty.dtype,
-                    &out_ty,
-                    "    ",
-                );
-                self.out.push_str(&body);
+            Lowering::Constant(lit) => self.constant(&res, lit),
+            Lowering::Op(op, attrs) => {
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                self.generic(&res, op, &args, &arg_tys, &attrs, &out_ty)
             }
-            Op::Compare(c) => {
-                let d = self.g.node(n.operands[0]).ty.dtype;
-                let attrs = format!(
-                    "comparison_direction = #stablehlo<comparison_direction {}>, compare_type = #stablehlo<comparison_type {}>",
-                    compare_dir(*c),
-                    compare_type(d)
-                );
-                self.generic(
-                    &res,
-                    "stablehlo.compare",
-                    &arg_refs,
-                    &arg_tys,
-                    &attrs,
-                    &out_ty,
-                )
-            }
-            Op::Select => self.generic(&res, "stablehlo.select", &arg_refs, &arg_tys, "", &out_ty),
-            Op::Convert(_) => {
-                self.generic(&res, "stablehlo.convert", &arg_refs, &arg_tys, "", &out_ty)
-            }
-            Op::Broadcast { dims, .. } => {
-                let attrs = format!("broadcast_dimensions = {}", usize_array(dims));
-                self.generic(
-                    &res,
-                    "stablehlo.broadcast_in_dim",
-                    &arg_refs,
-                    &arg_tys,
-                    &attrs,
-                    &out_ty,
-                )
-            }
-            Op::Reshape(_) => {
-                self.generic(&res, "stablehlo.reshape", &arg_refs, &arg_tys, "", &out_ty)
-            }
-            Op::Transpose(perm) => {
-                let attrs = format!("permutation = {}", usize_array(perm));
-                self.generic(
-                    &res,
-                    "stablehlo.transpose",
-                    &arg_refs,
-                    &arg_tys,
-                    &attrs,
-                    &out_ty,
-                )
-            }
-            Op::Slice {
-                start,
-                limit,
-                stride,
-            } => {
-                let attrs = format!(
-                    "start_indices = {}, limit_indices = {}, strides = {}",
-                    usize_array(start),
-                    usize_array(limit),
-                    usize_array(stride)
-                );
-                self.generic(
-                    &res,
-                    "stablehlo.slice",
-                    &arg_refs,
-                    &arg_tys,
-                    &attrs,
-                    &out_ty,
-                )
-            }
-            Op::Concat { axis } => {
-                let attrs = format!("dimension = {axis} : i64");
-                self.generic(
-                    &res,
-                    "stablehlo.concatenate",
-                    &arg_refs,
-                    &arg_tys,
-                    &attrs,
-                    &out_ty,
-                )
-            }
-            Op::Pad {
-                low,
-                high,
-                interior,
-            } => {
-                let attrs = format!(
-                    "edge_padding_low = {}, edge_padding_high = {}, interior_padding = {}",
-                    i64_array(low.iter().copied()),
-                    i64_array(high.iter().copied()),
-                    usize_array(interior)
-                );
-                self.generic(&res, "stablehlo.pad", &arg_refs, &arg_tys, &attrs, &out_ty)
-            }
-            Op::Reverse(dims) => {
-                let attrs = format!("dimensions = {}", usize_array(dims));
-                self.generic(
-                    &res,
-                    "stablehlo.reverse",
-                    &arg_refs,
-                    &arg_tys,
-                    &attrs,
-                    &out_ty,
-                )
-            }
-            Op::DotGeneral(d) => {
-                let mut parts = Vec::new();
-                if !d.lhs_batch.is_empty() {
-                    parts.push(format!("lhs_batching_dimensions = {}", list(&d.lhs_batch)));
-                    parts.push(format!("rhs_batching_dimensions = {}", list(&d.rhs_batch)));
-                }
-                if !d.lhs_contract.is_empty() {
-                    parts.push(format!(
-                        "lhs_contracting_dimensions = {}",
-                        list(&d.lhs_contract)
-                    ));
-                    parts.push(format!(
-                        "rhs_contracting_dimensions = {}",
-                        list(&d.rhs_contract)
-                    ));
-                }
-                let attrs = format!(
-                    "dot_dimension_numbers = #stablehlo.dot<{}>",
-                    parts.join(", ")
-                );
-                self.generic(
-                    &res,
-                    "stablehlo.dot_general",
-                    &arg_refs,
-                    &arg_tys,
-                    &attrs,
-                    &out_ty,
-                )
-            }
-            Op::Reduce { kind, axes } => {
+            Lowering::NanMinMax(op) => {
                 let d = n.ty.dtype;
-                let init = format!("{res}_init");
-                self.constant(&init, &identity_literal(*kind, d));
-                let region = self.region(&format!("{res}_body"), d, reducer_op(*kind));
-                let st = tensor_type(&TensorType::scalar(d));
-                let _ = writeln!(
-                    self.out,
-                    "    {res} = \"stablehlo.reduce\"({}, {init}) ({region}) {{dimensions = {}}} : ({}, {st}) -> {out_ty}",
-                    args[0],
-                    usize_array(axes),
-                    arg_tys[0]
-                );
+                let text = combine(&res, op, &args[0], &args[1], d, &out_ty, "    ");
+                self.out.push_str(&text);
             }
-            Op::ReduceWindow { kind, attrs } => {
-                let d = n.ty.dtype;
-                let init = format!("{res}_init");
-                self.constant(&init, &identity_literal(*kind, d));
-                let region = self.region(&format!("{res}_body"), d, reducer_op(*kind));
-                let st = tensor_type(&TensorType::scalar(d));
-                let _ = writeln!(
-                    self.out,
-                    "    {res} = \"stablehlo.reduce_window\"({}, {init}) ({region}) {{{}}} : ({}, {st}) -> {out_ty}",
-                    args[0],
-                    window_attrs(attrs),
-                    arg_tys[0]
-                );
+            Lowering::Reduce(kind, axes) => {
+                let attrs = format!("dimensions = {}", usize_array(axes));
+                self.reduce(&res, n, &args[0], "stablehlo.reduce", kind, &attrs)
             }
-            Op::SelectAndScatter(attrs) => {
-                let xt = self.g.node(n.operands[0]).ty.clone();
-                let st = self.g.node(n.operands[1]).ty.clone();
-                self.select_and_scatter(&res, attrs, &args[0], &xt, &args[1], &st);
+            Lowering::ReduceWindow(kind, w) => {
+                let attrs = window_attrs(w);
+                self.reduce(&res, n, &args[0], "stablehlo.reduce_window", kind, &attrs)
             }
-            Op::Conv(c) => {
+            Lowering::SelectAndScatter(w) => {
                 let xt = &self.g.node(n.operands[0]).ty;
-                let wt = &self.g.node(n.operands[1]).ty;
-                if self.conv.choose(c, xt, wt) == ConvLowering::Im2col {
-                    // Build the expansion as a small graph and emit it inline.
-                    let sub = im2col_graph(c, xt, wt)?;
-                    let direct = ConvStrategy::Direct;
-                    let mut e = Emitter {
-                        g: &sub,
-                        out: String::new(),
-                        names: HashMap::new(),
-                        prefix: format!("{res}_c"),
-                        conv: &direct,
-                    };
-                    e.names.insert(sub.inputs()[0].node, args[0].clone());
-                    e.names.insert(sub.inputs()[1].node, args[1].clone());
-                    for sid in sub.topo_order() {
-                        e.node(sid)?;
-                    }
-                    let y = e.names[&sub.outputs()[0]].clone();
-                    self.out.push_str(&e.out);
-                    self.names.insert(id, y);
-                    return Ok(());
-                }
-                let attrs = conv_attrs(c);
-                self.generic(
-                    &res,
-                    "stablehlo.convolution",
-                    &arg_refs,
-                    &arg_tys,
-                    &attrs,
-                    &out_ty,
-                )
+                let st = &self.g.node(n.operands[1]).ty;
+                self.select_and_scatter(&res, w, &args[0], xt, &args[1], st);
             }
-            Op::Take { axis } => {
-                let xt = &self.g.node(n.operands[0]).ty;
-                let it = &self.g.node(n.operands[1]).ty;
-                let r = it.shape.rank();
-                let rest = xt.shape.rank() - axis - 1;
-                let offset: Vec<usize> = (0..*axis).chain(axis + r..axis + r + rest).collect();
-                let mut sizes: Vec<usize> = xt.shape.dims().to_vec();
-                sizes[*axis] = 1;
-                let mut dn = Vec::new();
-                if !offset.is_empty() {
-                    dn.push(format!("offset_dims = {}", list(&offset)));
-                }
-                dn.push(format!("collapsed_slice_dims = [{axis}]"));
-                dn.push(format!("start_index_map = [{axis}]"));
-                dn.push(format!("index_vector_dim = {r}"));
-                let attrs = format!(
-                    "dimension_numbers = #stablehlo.gather<{}>, slice_sizes = {}, indices_are_sorted = false",
-                    dn.join(", "),
-                    usize_array(&sizes)
-                );
-                self.generic(
-                    &res,
-                    "stablehlo.gather",
-                    &arg_refs,
-                    &arg_tys,
-                    &attrs,
-                    &out_ty,
-                )
-            }
-            Op::ScatterAdd { axis } => {
-                let bt = self.g.node(n.operands[0]).ty.clone();
-                let it = self.g.node(n.operands[1]).ty.clone();
-                let r = it.shape.rank();
-                // Clamp indices into range, matching Take (XLA's scatter would drop them).
-                let lo = format!("{res}_lo");
-                let hi = format!("{res}_hi");
-                let clamped = format!("{res}_idx");
-                self.constant(&lo, &Literal::scalar(it.dtype, 0.0));
-                self.constant(
-                    &hi,
-                    &Literal::scalar(it.dtype, (bt.shape.dim(*axis) as f64 - 1.0).max(0.0)),
-                );
-                let its = tensor_type(&it);
-                let ss = tensor_type(&TensorType::scalar(it.dtype));
-                self.generic(
-                    &clamped,
-                    "stablehlo.clamp",
-                    &[&lo, args[1].as_str(), &hi],
-                    &[ss.clone(), its.clone(), ss],
-                    "",
-                    &its,
-                );
-                let rest = bt.shape.rank() - axis - 1;
-                let window: Vec<usize> = (0..*axis).chain(axis + r..axis + r + rest).collect();
-                let mut dn = Vec::new();
-                if !window.is_empty() {
-                    dn.push(format!("update_window_dims = {}", list(&window)));
-                }
-                dn.push(format!("inserted_window_dims = [{axis}]"));
-                dn.push(format!("scatter_dims_to_operand_dims = [{axis}]"));
-                dn.push(format!("index_vector_dim = {r}"));
-                let region = self.region(&format!("{res}_body"), bt.dtype, "stablehlo.add");
-                let _ = writeln!(
-                    self.out,
-                    "    {res} = \"stablehlo.scatter\"({}, {clamped}, {}) ({region}) {{scatter_dimension_numbers = #stablehlo.scatter<{}>, indices_are_sorted = false, unique_indices = false}} : ({}, {}, {}) -> {out_ty}",
-                    args[0],
-                    args[2],
-                    dn.join(", "),
-                    arg_tys[0],
-                    arg_tys[1],
-                    arg_tys[2]
-                );
-            }
+            Lowering::ScatterAdd(axis) => self.scatter_add(&res, axis, &args, n),
         }
         self.names.insert(id, res);
-        Ok(())
     }
+}
+
+/// How one node is written. Another way to lower a node (say a `stablehlo.custom_call` into
+/// a host kernel) is another variant, chosen per node in [`lowering`].
+enum Lowering<'g> {
+    /// A graph input: the function's parameter `%arg{i}`; nothing is emitted.
+    Argument(usize),
+    /// A `stablehlo.constant`.
+    Constant(&'g Literal),
+    /// One StableHLO op applied to the node's operands, with these attributes (`key = value`
+    /// pairs, empty for none), yielding the node's type.
+    Op(&'static str, String),
+    /// `stablehlo.maximum` / `minimum` on floats, made NaN-propagating ([`combine`]).
+    NanMinMax(&'static str),
+    /// `stablehlo.reduce` with a combiner region.
+    Reduce(ReduceKind, &'g [usize]),
+    /// `stablehlo.reduce_window` with a combiner region.
+    ReduceWindow(ReduceKind, &'g WindowAttrs),
+    /// The deterministic select-and-scatter ([`Emitter::select_and_scatter`]).
+    SelectAndScatter(&'g WindowAttrs),
+    /// A clamped scatter-add ([`Emitter::scatter_add`]).
+    ScatterAdd(usize),
+}
+
+/// The lowering table: for each op, the StableHLO op and attributes it becomes, or which
+/// hand-written expansion writes it. Every op that is one StableHLO op is one row here.
+fn lowering<'g>(g: &Graph, n: &'g Node) -> Lowering<'g> {
+    let operand = |i: usize| &g.node(n.operands[i]).ty;
+    let one = |op, attrs: String| Lowering::Op(op, attrs);
+    match &n.op {
+        Op::Input(i) => Lowering::Argument(*i),
+        Op::Constant(lit) => Lowering::Constant(lit),
+        Op::Iota { dim, .. } => one("stablehlo.iota", format!("iota_dimension = {dim} : i64")),
+        Op::Unary(u) => one(unary_name(*u), String::new()),
+        Op::Binary(b @ (BinaryOp::Max | BinaryOp::Min)) if n.ty.dtype.is_float() => {
+            Lowering::NanMinMax(binary_name(*b))
+        }
+        Op::Binary(b) => one(binary_name(*b), String::new()),
+        Op::Compare(c) => one(
+            "stablehlo.compare",
+            format!(
+                "comparison_direction = #stablehlo<comparison_direction {}>, compare_type = #stablehlo<comparison_type {}>",
+                compare_dir(*c),
+                compare_type(operand(0).dtype)
+            ),
+        ),
+        Op::Select => one("stablehlo.select", String::new()),
+        Op::Convert(_) => one("stablehlo.convert", String::new()),
+        Op::Broadcast { dims, .. } => one(
+            "stablehlo.broadcast_in_dim",
+            format!("broadcast_dimensions = {}", usize_array(dims)),
+        ),
+        Op::Reshape(_) => one("stablehlo.reshape", String::new()),
+        Op::Transpose(perm) => one(
+            "stablehlo.transpose",
+            format!("permutation = {}", usize_array(perm)),
+        ),
+        Op::Slice {
+            start,
+            limit,
+            stride,
+        } => one(
+            "stablehlo.slice",
+            format!(
+                "start_indices = {}, limit_indices = {}, strides = {}",
+                usize_array(start),
+                usize_array(limit),
+                usize_array(stride)
+            ),
+        ),
+        Op::Concat { axis } => one(
+            "stablehlo.concatenate",
+            format!("dimension = {axis} : i64"),
+        ),
+        Op::Pad {
+            low,
+            high,
+            interior,
+        } => one(
+            "stablehlo.pad",
+            format!(
+                "edge_padding_low = {}, edge_padding_high = {}, interior_padding = {}",
+                i64_array(low.iter().copied()),
+                i64_array(high.iter().copied()),
+                usize_array(interior)
+            ),
+        ),
+        Op::Reverse(dims) => one(
+            "stablehlo.reverse",
+            format!("dimensions = {}", usize_array(dims)),
+        ),
+        Op::DotGeneral(d) => one("stablehlo.dot_general", dot_attrs(d)),
+        Op::Conv(c) => one("stablehlo.convolution", conv_attrs(c)),
+        Op::Take { axis } => one("stablehlo.gather", gather_attrs(*axis, operand(0), operand(1))),
+        Op::Reduce { kind, axes } => Lowering::Reduce(*kind, axes),
+        Op::ReduceWindow { kind, attrs } => Lowering::ReduceWindow(*kind, attrs),
+        Op::SelectAndScatter(attrs) => Lowering::SelectAndScatter(attrs),
+        Op::ScatterAdd { axis } => Lowering::ScatterAdd(*axis),
+    }
+}
+
+fn dot_attrs(d: &DotDims) -> String {
+    let mut parts = Vec::new();
+    if !d.lhs_batch.is_empty() {
+        parts.push(format!("lhs_batching_dimensions = {}", list(&d.lhs_batch)));
+        parts.push(format!("rhs_batching_dimensions = {}", list(&d.rhs_batch)));
+    }
+    if !d.lhs_contract.is_empty() {
+        parts.push(format!(
+            "lhs_contracting_dimensions = {}",
+            list(&d.lhs_contract)
+        ));
+        parts.push(format!(
+            "rhs_contracting_dimensions = {}",
+            list(&d.rhs_contract)
+        ));
+    }
+    format!(
+        "dot_dimension_numbers = #stablehlo.dot<{}>",
+        parts.join(", ")
+    )
+}
+
+/// `Take` along `axis` of `x` at indices `it`: a gather of one slice per index.
+fn gather_attrs(axis: usize, xt: &TensorType, it: &TensorType) -> String {
+    let r = it.shape.rank();
+    let rest = xt.shape.rank() - axis - 1;
+    let offset: Vec<usize> = (0..axis).chain(axis + r..axis + r + rest).collect();
+    let mut sizes: Vec<usize> = xt.shape.dims().to_vec();
+    sizes[axis] = 1;
+    let mut dn = Vec::new();
+    if !offset.is_empty() {
+        dn.push(format!("offset_dims = {}", list(&offset)));
+    }
+    dn.push(format!("collapsed_slice_dims = [{axis}]"));
+    dn.push(format!("start_index_map = [{axis}]"));
+    dn.push(format!("index_vector_dim = {r}"));
+    format!(
+        "dimension_numbers = #stablehlo.gather<{}>, slice_sizes = {}, indices_are_sorted = false",
+        dn.join(", "),
+        usize_array(&sizes)
+    )
 }
 
 /// `res = op(a, b)` on values of type `ty` (element type `d`), as lines of text.
@@ -865,20 +794,15 @@ fn conv_attrs(c: &ConvAttrs) -> String {
 /// Lowers `graph` to a StableHLO module whose `@main` takes the graph inputs in order and
 /// returns the outputs in order.
 ///
-/// Every convolution is written as one `stablehlo.convolution`; [`lower_with`] chooses per node.
+/// Every op is written as it is; in particular every `Op::Conv` becomes one
+/// `stablehlo.convolution`. Graph rewrites (such as the XLA backend's im2col choice,
+/// [`Backend::rewrite`](crate::backend::Backend::rewrite)) happen before, on the graph;
+/// [`super::XlaBackend::lower`] applies its backend's rewrite and then this.
 pub fn lower(graph: &Graph) -> Result<String> {
-    lower_with(graph, &ConvStrategy::Direct)
-}
-
-/// Lowers `graph` like [`lower`], with `conv` choosing for each `Op::Conv` node between
-/// `stablehlo.convolution` and the im2col expansion ([`super::conv::im2col`]).
-pub fn lower_with(graph: &Graph, conv: &ConvStrategy) -> Result<String> {
     let mut e = Emitter {
         g: graph,
         out: String::new(),
         names: HashMap::new(),
-        prefix: "%v".into(),
-        conv,
     };
     let alias_of: HashMap<usize, usize> = graph.aliases().iter().copied().collect();
     let mut params = Vec::new();
@@ -897,7 +821,7 @@ pub fn lower_with(graph: &Graph, conv: &ConvStrategy) -> Result<String> {
         out_tys.join(", ")
     );
     for id in graph.topo_order() {
-        e.node(id)?;
+        e.node(id);
     }
     let outs: Vec<String> = graph
         .outputs()
@@ -926,7 +850,7 @@ pub fn lower_with(graph: &Graph, conv: &ConvStrategy) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::{DotDims, InputKind, Shape};
+    use crate::ir::{InputKind, Shape};
 
     #[test]
     fn lowers_matmul_with_alias_and_constants() {

@@ -15,7 +15,8 @@ pub use pjrt::OptionValue;
 
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
-use crate::ir::{DType, Graph, TensorType};
+use crate::ir::{ConvAttrs, DType, Graph, Op, TensorType};
+use crate::passes::{Im2col, Pass};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -233,10 +234,37 @@ impl XlaBackend {
         &self.options
     }
 
-    /// Lowers `graph` to StableHLO text as [`Backend::compile`] does (with this backend's
-    /// convolution strategy).
+    /// Lowers `graph` to the StableHLO text [`Backend::compile`] compiles.
+    ///
+    /// The graph may be rewritten ([`Backend::rewrite`], as kiln's runtime does before
+    /// fingerprinting) or not: a convolution this backend's [`ConvStrategy`] sends to im2col
+    /// is rewritten here on a copy first. The rewrite is idempotent, so both give the same text.
     pub fn lower(&self, graph: &Graph) -> Result<String> {
-        lower::lower_with(graph, &self.options.conv)
+        if self.needs_rewrite(graph) {
+            let mut g = graph.clone();
+            self.rewrite(&mut g)?;
+            lower::lower(&g)
+        } else {
+            lower::lower(graph)
+        }
+    }
+
+    /// Does `graph` hold a convolution the strategy lowers as im2col?
+    fn needs_rewrite(&self, graph: &Graph) -> bool {
+        let picks = self.im2col_picks();
+        graph.petgraph().node_weights().any(|n| match &n.op {
+            Op::Conv(c) => picks(
+                c,
+                &graph.node(n.operands[0]).ty,
+                &graph.node(n.operands[1]).ty,
+            ),
+            _ => false,
+        })
+    }
+
+    /// The [`Im2col`] pass's selection: the convolutions the strategy lowers as im2col.
+    fn im2col_picks(&self) -> impl Fn(&ConvAttrs, &TensorType, &TensorType) -> bool + '_ {
+        |c, x, w| self.options.conv.choose(c, x, w) == ConvLowering::Im2col
     }
 
     /// The platform name reported by the plugin (`"cpu"`, `"cuda"`, ...).
@@ -291,6 +319,13 @@ impl Backend for XlaBackend {
 
     fn name(&self) -> &str {
         "xla"
+    }
+
+    /// Rewrites the convolutions this backend's [`ConvStrategy`] lowers as im2col
+    /// ([`Im2col`]).
+    fn rewrite(&self, graph: &mut Graph) -> Result<()> {
+        Im2col::new(self.im2col_picks()).run(graph)?;
+        Ok(())
     }
 
     fn compile(&self, graph: &Graph) -> Result<XlaExecutable> {
