@@ -2,7 +2,7 @@
 //! and sharing across threads. Checked through the runtime's metrics.
 
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::XlaBackend;
+use kiln::backend::xla::{XlaBackend, XlaOptions};
 use kiln::backend::Backend;
 use kiln::nn::{Init, Linear, Module, ParamStore, Relu, Sequential};
 use kiln::runtime::ExecutableCache;
@@ -276,5 +276,80 @@ fn eager_backend_runs_the_same_programs() -> kiln::Result<()> {
     let y = f.run(&[x])?.remove(0);
     assert!(max_diff(&y, &eager) < 1e-6);
     assert_eq!(EagerBackend::new().name(), "eager");
+    Ok(())
+}
+
+/// Each backend gets executables compiled for its own PJRT client, even when two backends share
+/// one in-memory cache (an executable only runs with buffers of its client).
+#[test]
+fn two_clients_sharing_one_cache_each_run_their_own_executable() -> kiln::Result<()> {
+    let cache: ExecutableCache<XlaBackend> = ExecutableCache::in_memory();
+    let x = Tensor::randn(&[3, 10], 9)?;
+    for seed in [30, 31] {
+        let (_s, m) = mlp(seed)?;
+        let eager = tch::no_grad(|| m.forward(&x))?;
+        let mut f = compile_with(
+            Runtime::with_cache(XlaBackend::new()?, cache.clone()),
+            move |xs: &[Tensor]| Ok(vec![m.forward(&xs[0])?]),
+        );
+        let y = f.run(std::slice::from_ref(&x))?.remove(0);
+        assert!(max_diff(&y, &eager) < 1e-5);
+        assert_eq!(f.stats().compiles, 1, "a new client compiles its own");
+    }
+    assert_eq!(cache.len(), 2);
+    Ok(())
+}
+
+/// Backends on one client with different options never share executables.
+#[test]
+fn backends_with_other_options_sharing_one_cache_compile_their_own() -> kiln::Result<()> {
+    let cache: ExecutableCache<XlaBackend> = ExecutableCache::in_memory();
+    let be = XlaBackend::new()?;
+    let x = Tensor::randn(&[3, 10], 9)?;
+    let backends = [be.clone(), be.with_options(XlaOptions::plain()), be.clone()];
+    let mut compiles = Vec::new();
+    for backend in backends {
+        let (_s, m) = mlp(32)?;
+        let eager = tch::no_grad(|| m.forward(&x))?;
+        let mut f = compile_with(
+            Runtime::with_cache(backend, cache.clone()),
+            move |xs: &[Tensor]| Ok(vec![m.forward(&xs[0])?]),
+        );
+        let y = f.run(std::slice::from_ref(&x))?.remove(0);
+        assert!(max_diff(&y, &eager) < 1e-5);
+        compiles.push(f.stats().compiles);
+    }
+    // The third backend equals the first (same client, same options): a hit.
+    assert_eq!(compiles, vec![1, 1, 0]);
+    assert_eq!(cache.len(), 2);
+    Ok(())
+}
+
+/// Directories a cache cannot write into: one whose permissions forbid it, and `/proc/self`,
+/// which refuses new files even to root (who ignores permissions).
+fn unwritable_dirs() -> Vec<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let ro = tmpdir("readonly");
+    std::fs::create_dir_all(&ro).unwrap();
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let mut dirs = vec![PathBuf::from("/proc/self")];
+    // Root writes into the read-only directory anyway: then only `/proc/self` tests anything.
+    if std::fs::write(ro.join("probe"), b"").is_err() {
+        dirs.push(ro);
+    }
+    dirs
+}
+
+#[test]
+fn an_unwritable_cache_directory_costs_only_the_cache() -> kiln::Result<()> {
+    for dir in unwritable_dirs() {
+        let (s, y, e) = run_with_cache(ExecutableCache::with_dir(&dir)?, 12)?;
+        assert!(max_diff(&y, &e) < 1e-5);
+        assert_eq!((s.compiles, s.disk_writes), (1, 0), "{}", dir.display());
+        // The next compile on the same cache still works.
+        let (s, _, _) = run_with_cache(ExecutableCache::with_dir(&dir)?, 12)?;
+        assert_eq!((s.compiles, s.disk_writes), (1, 0), "{}", dir.display());
+    }
+    let _ = std::fs::remove_dir_all(tmpdir("readonly"));
     Ok(())
 }
