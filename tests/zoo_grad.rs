@@ -28,9 +28,8 @@
 use kiln::backend::xla::XlaBackend;
 use kiln::optim::Sgd;
 use kiln::train::{EagerTrainStep, TrainMode, TrainStep};
-use kiln::zoo::{self, Model};
+use kiln::zoo::{self, Model, SharedModel};
 use kiln::Tensor;
-use std::sync::Arc;
 use std::time::Instant;
 
 /// `sum (a - b)^2` and `sum b^2`, in f64.
@@ -50,7 +49,7 @@ fn rel(d: f64, n: f64) -> f64 {
 /// `inputs`: `None` for the zoo's example inputs at `batch`. Returns the global relative error.
 fn check_grads(name: &str, train: bool, batch: usize, inputs: Option<Vec<Tensor>>) -> f64 {
     let t0 = Instant::now();
-    let model: Arc<dyn Model> = Arc::from(zoo::build(name, 0).unwrap());
+    let model: SharedModel = SharedModel::new(zoo::build(name, 0).unwrap());
     let inputs = match inputs {
         Some(x) => x,
         None => model.example_inputs(batch, 1).unwrap(),
@@ -260,14 +259,14 @@ fn resnet18_batchnorm_running_stats_and_params_match_eager() {
                 .unwrap()
         })
         .collect();
-    let loss_of = |m: &Arc<dyn Model>, xs: &[Tensor]| -> kiln::Result<Tensor> {
+    let loss_of = |m: &SharedModel, xs: &[Tensor]| -> kiln::Result<Tensor> {
         let out = m.forward(xs, true)?;
         m.loss(&out, xs)
     };
 
     let t0 = Instant::now();
-    let initial: Arc<dyn Model> = Arc::from(zoo::build("resnet18", 0).unwrap());
-    let eager_model: Arc<dyn Model> = Arc::from(zoo::build("resnet18", 0).unwrap());
+    let initial: SharedModel = SharedModel::new(zoo::build("resnet18", 0).unwrap());
+    let eager_model: SharedModel = SharedModel::new(zoo::build("resnet18", 0).unwrap());
     let em = eager_model.clone();
     let mut eager = EagerTrainStep::new(eager_model.store(), opt, move |xs| loss_of(&em, xs))
         .unwrap()
@@ -282,7 +281,7 @@ fn resnet18_batchnorm_running_stats_and_params_match_eager() {
 
     for mode in [TrainMode::Split, TrainMode::Fused] {
         let t0 = Instant::now();
-        let model: Arc<dyn Model> = Arc::from(zoo::build("resnet18", 0).unwrap());
+        let model: SharedModel = SharedModel::new(zoo::build("resnet18", 0).unwrap());
         let m = model.clone();
         let mut step = TrainStep::new(XlaBackend::new().unwrap(), model.store(), opt, move |xs| {
             loss_of(&m, xs)
