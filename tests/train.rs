@@ -402,3 +402,32 @@ fn a_train_step_trains_only_the_parameters_of_its_store() -> kiln::Result<()> {
     );
     Ok(())
 }
+
+/// The gradient reads a buffer that the same step then updates: the backward pass must see
+/// the value the forward pass read, not the new one (Split runs them as two executables).
+#[test]
+fn the_backward_pass_reads_the_values_the_forward_pass_read() -> kiln::Result<()> {
+    for mode in [TrainMode::Split, TrainMode::Fused] {
+        let store = ParamStore::new();
+        let r = store.root();
+        let p = r.param("p", &[2], Init::Const(1.0))?;
+        let v = r.buffer("v", &[2], Init::Const(0.0), DType::F32)?;
+        v.assign(&Tensor::from_slice(&[2], &[2.0f32, 3.0])?)?;
+        let (pp, vv) = (p.clone(), v.clone());
+        let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |_xs| {
+            let y = pp.mul(&vv)?.sum_all()?;
+            vv.assign(&vv.add_scalar(1.0)?)?;
+            Ok(y)
+        })?
+        .with_mode(mode)
+        .with_lr(1.0);
+        let dummy = Tensor::zeros(&[1], DType::F32)?;
+        let loss = step.step(std::slice::from_ref(&dummy))?;
+        step.sync_to_store()?;
+        assert_eq!(loss, 5.0, "{mode:?}");
+        // d loss / d p = v before the update = [2, 3].
+        assert_eq!(p.to_f64_vec()?, vec![-1.0, -2.0], "{mode:?}");
+        assert_eq!(v.to_f64_vec()?, vec![3.0, 4.0], "{mode:?}");
+    }
+    Ok(())
+}
