@@ -386,24 +386,27 @@ impl<B: Backend> FnState<B> {
         let mut results = Vec::with_capacity(p.num_outputs);
         let mut temp_of: HashMap<usize, usize> = HashMap::new();
         for &src in &p.outputs[..p.num_outputs] {
-            match src {
-                OutputSource::Input(i) if matches!(args[i], Arg::Data(d) if d < num_inputs) => {
-                    if let Arg::Data(d) = args[i] {
-                        results.push(ResultSource::Data(d));
-                    }
-                }
-                OutputSource::Output(j) if temp_of.contains_key(&j) => {
-                    results.push(ResultSource::Temp(temp_of[&j]));
-                }
-                _ => {
+            let reused = match src {
+                // The caller's own argument: handed back without a transfer.
+                OutputSource::Input(i) => match args[i] {
+                    Arg::Data(d) if d < num_inputs => Some(ResultSource::Data(d)),
+                    _ => None,
+                },
+                // A value already returned: downloaded again, not routed twice.
+                OutputSource::Output(j) => temp_of.get(&j).map(|&k| ResultSource::Temp(k)),
+            };
+            let result = match reused {
+                Some(r) => r,
+                None => {
                     let k = routes.len();
                     routes.push((src, Dest::Temp(k)));
                     if let OutputSource::Output(j) = src {
                         temp_of.insert(j, k);
                     }
-                    results.push(ResultSource::Temp(k));
+                    ResultSource::Temp(k)
                 }
-            }
+            };
+            results.push(result);
         }
         let num_temps = routes.len();
         for (var, out) in &p.state_updates {

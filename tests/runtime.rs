@@ -577,27 +577,32 @@ fn shared_handle_throughput_one_and_two_threads() -> kiln::Result<()> {
     })
     .shared();
     let inputs = batches()?;
-    f.run(&inputs[..1])?;
+    for _ in 0..200 {
+        f.run(&inputs[..1])?;
+    }
     let calls = 2000;
-    let mut rates = Vec::new();
-    for threads in [1usize, 2] {
-        let t0 = std::time::Instant::now();
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                let f = f.clone();
-                let x = inputs[0].clone();
-                std::thread::spawn(move || -> kiln::Result<()> {
-                    for _ in 0..calls / threads {
-                        f.run(std::slice::from_ref(&x))?;
-                    }
-                    Ok(())
+    // Best of three interleaved rounds per thread count (the machine may be shared).
+    let mut rates = [0.0f64; 2];
+    for _round in 0..3 {
+        for (slot, threads) in [1usize, 2].into_iter().enumerate() {
+            let t0 = std::time::Instant::now();
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    let f = f.clone();
+                    let x = inputs[0].clone();
+                    std::thread::spawn(move || -> kiln::Result<()> {
+                        for _ in 0..calls / threads {
+                            f.run(std::slice::from_ref(&x))?;
+                        }
+                        Ok(())
+                    })
                 })
-            })
-            .collect();
-        for w in workers {
-            w.join().expect("worker panicked")?;
+                .collect();
+            for w in workers {
+                w.join().expect("worker panicked")?;
+            }
+            rates[slot] = rates[slot].max(calls as f64 / t0.elapsed().as_secs_f64());
         }
-        rates.push(calls as f64 / t0.elapsed().as_secs_f64());
     }
     println!(
         "shared handle, mlp 10-32-10 batch 4: {:.0} calls/s on 1 thread, {:.0} calls/s on 2 threads",

@@ -43,7 +43,7 @@ impl<M: Module + ?Sized> Module for Box<M> {
 }
 
 /// A module shared by several closures (an eager reference and a compiled function, say):
-/// cheap to clone, and `Send` as the closures given to [`crate::compile`] and
+/// cheap to clone, and `Send` as the closures given to [`crate::compile()`] and
 /// [`crate::train::TrainStep`] must be.
 ///
 /// A module holds tensors, which are `Send` but not `Sync`, so `Arc<M>` is not `Send`; `Shared`

@@ -59,7 +59,7 @@ pub trait Model: Send {
 }
 
 /// A model shared by several closures (an eager reference and a compiled function, say):
-/// cheap to clone and `Send`, so it can be captured by [`crate::compile`]'s and
+/// cheap to clone and `Send`, so it can be captured by [`crate::compile()`]'s and
 /// [`crate::train::TrainStep`]'s closures, which must be `Send`.
 ///
 /// A model holds tensors, which are `Send` but not `Sync`, so `Arc<dyn Model>` is not `Send`;
