@@ -41,6 +41,24 @@ struct TrainProgram<B: Backend> {
     loss_temp: usize,
 }
 
+/// A traced loss differentiated w.r.t. the trained parameters, before it is cut into steps.
+struct Differentiated {
+    /// Inputs: the traced graph's (`num_inputs`) ++ the loss cotangent; outputs: the loss, the
+    /// assigned variables' new values (`updates` order), then one gradient per parameter.
+    joint: Graph,
+    num_inputs: usize,
+    loss_dtype: DType,
+    /// What each of the traced graph's inputs is bound to.
+    args: Vec<Arg>,
+    /// The trained parameters: traced input index and variable.
+    params: Vec<(usize, Tensor)>,
+    /// The variables the loss function assigns.
+    updates: Vec<VarId>,
+    /// The traced input holding the random key, if the loss draws random numbers.
+    rng_input: Option<usize>,
+    key_var: VarId,
+}
+
 type LossFn = Box<dyn Fn(&[Tensor]) -> Result<Tensor> + Send>;
 
 /// A compiled training step; see the module docs.
@@ -353,6 +371,21 @@ impl<B: Backend> TrainStep<B> {
     /// values saved for the backward step, which computes the gradients the optimizer step
     /// consumes.
     fn build(&mut self, traced: Traced) -> Result<TrainProgram<B>> {
+        let loss = self.differentiate(traced)?;
+        let mut plan = PlanBuilder::new();
+        let loss_temp = plan.temp();
+        match self.mode {
+            TrainMode::Fused => self.fused(loss, &mut plan, loss_temp)?,
+            TrainMode::Split => self.split(loss, &mut plan, loss_temp)?,
+        }
+        Ok(TrainProgram {
+            plan: plan.finish()?,
+            loss_temp,
+        })
+    }
+
+    /// The joint graph of a traced loss, with what its inputs and outputs are bound to.
+    fn differentiate(&mut self, traced: Traced) -> Result<Differentiated> {
         let Traced {
             graph,
             bindings,
@@ -366,21 +399,17 @@ impl<B: Backend> TrainStep<B> {
                 graph.outputs().len()
             )));
         }
-        let loss_dtype = graph.node(graph.outputs()[0]).ty.dtype;
-        let n_in = graph.inputs().len();
-        let n_out = graph.outputs().len();
-        let in_args: Vec<Arg> = bindings
+        let key_var = self.rt.register(&self.key_var)?;
+        let args: Vec<Arg> = bindings
             .iter()
             .map(|b| {
                 Ok(match b {
                     Binding::Data(i) => Arg::Data(*i),
                     Binding::Var(t) => Arg::Var(self.rt.register(t)?),
-                    Binding::RngKey => Arg::Var(self.rt.register(&self.key_var)?),
+                    Binding::RngKey => Arg::Var(key_var),
                 })
             })
             .collect::<Result<_>>()?;
-        let key_id = self.rt.register(&self.key_var)?;
-        let rng_input = bindings.iter().position(|b| matches!(b, Binding::RngKey));
         // The parameters trained: those of the step's store that the loss reads.
         let trainable: HashSet<u64> = self
             .store
@@ -415,106 +444,126 @@ impl<B: Backend> TrainStep<B> {
             updates.push(id);
         }
         let wrt: Vec<usize> = params.iter().map(|p| p.0).collect();
-        let joint_graph = joint(&graph, 0, &wrt)?;
-        let mut plan = PlanBuilder::new();
-        let loss_temp = plan.temp();
-        match self.mode {
-            TrainMode::Fused => {
-                let mut g = joint_graph;
-                // The cotangent of the loss is 1: a constant, not an input.
-                let cot = g.inputs()[n_in].node;
-                let one = g.add(Op::Constant(Literal::scalar(loss_dtype, 1.0)), &[])?;
-                g.replace_uses(cot, one)?;
-                g.retain_inputs(|i, _| i != n_in)?;
-                let outs: Vec<NodeId> = g.outputs().to_vec();
-                let mut s = StepBuilder::new("fused", g, in_args)?;
-                s.output(outs[0], Dest::Temp(loss_temp));
-                for (k, &var) in updates.iter().enumerate() {
-                    s.update(outs[1 + k], var)?;
-                }
-                let params: Vec<(NodeId, Tensor)> = params
-                    .iter()
-                    .map(|(i, t)| (s.input_node(*i), t.clone()))
-                    .collect();
-                self.add_updates(&mut s, &params, &outs[n_out..])?;
-                if let Some(ri) = rng_input {
-                    advance_key(&mut s, ri, key_id)?;
-                }
-                plan.push(s.finish(&self.rt)?);
-            }
-            TrainMode::Split => {
-                let split = partition(&joint_graph, n_in, n_out, self.policy)?;
-                // Forward: the loss, the assigned variables' new values, the saved values.
-                let f_outs: Vec<NodeId> = split.forward.outputs().to_vec();
-                let mut fwd = StepBuilder::new("forward", split.forward, in_args.clone())?;
-                fwd.output(f_outs[0], Dest::Temp(loss_temp));
-                let mut forward_value: Vec<Arg> = vec![Arg::Temp(loss_temp)];
-                for (k, &var) in updates.iter().enumerate() {
-                    fwd.update(f_outs[1 + k], var)?;
-                    forward_value.push(Arg::Var(var));
-                }
-                for &node in &f_outs[n_out..] {
-                    let t = plan.temp();
-                    fwd.output(node, Dest::Temp(t));
-                    forward_value.push(Arg::Temp(t));
-                }
-                if let Some(ri) = rng_input {
-                    advance_key(&mut fwd, ri, key_id)?;
-                }
-                // Backward: saved values, forward inputs, the cotangent -> gradients.
-                let one = self.one()?;
-                let one = Arg::Var(self.rt.register(&one)?);
-                let mut b_args = Vec::with_capacity(split.backward_inputs.len());
-                for bi in &split.backward_inputs {
-                    b_args.push(match *bi {
-                        BackwardInput::Saved(k) => forward_value[k],
-                        // A variable the forward step replaces: the backward step needs the
-                        // value the forward step read, so the forward step hands on a copy.
-                        BackwardInput::ForwardInput(i) => match in_args[i] {
-                            Arg::Var(v) if fwd.updated().contains(&v) => {
-                                let t = plan.temp();
-                                let node = fwd.input_node(i);
-                                fwd.output(node, Dest::Temp(t));
-                                Arg::Temp(t)
-                            }
-                            a => a,
-                        },
-                        BackwardInput::Cotangent(_) => one,
-                    });
-                }
-                plan.push(fwd.finish(&self.rt)?);
-                let grads: Vec<usize> = params.iter().map(|_| plan.temp()).collect();
-                let b_outs: Vec<NodeId> = split.backward.outputs().to_vec();
-                let mut bwd = StepBuilder::new("backward", split.backward, b_args)?;
-                for (&node, &t) in b_outs.iter().zip(&grads) {
-                    bwd.output(node, Dest::Temp(t));
-                }
-                plan.push(bwd.finish(&self.rt)?);
-                // Optimizer: params, grads, states, lr, step -> new params, states, step.
-                let mut s = StepBuilder::new("optimizer", Graph::new(), Vec::new())?;
-                let mut opt_params = Vec::with_capacity(params.len());
-                let mut grad_nodes = Vec::with_capacity(params.len());
-                for ((_, t), &g) in params.iter().zip(&grads) {
-                    let id = self.rt.register(t)?;
-                    let ty = t.ty().clone();
-                    let pn = s.input(InputKind::Parameter, name_of(t), ty.clone(), Arg::Var(id));
-                    let gn = s.input(
-                        InputKind::Saved,
-                        format!("grad.{}", name_of(t)),
-                        ty,
-                        Arg::Temp(g),
-                    );
-                    opt_params.push((pn, t.clone()));
-                    grad_nodes.push(gn);
-                }
-                self.add_updates(&mut s, &opt_params, &grad_nodes)?;
-                plan.push(s.finish(&self.rt)?);
-            }
-        }
-        Ok(TrainProgram {
-            plan: plan.finish()?,
-            loss_temp,
+        Ok(Differentiated {
+            joint: joint(&graph, 0, &wrt)?,
+            num_inputs: graph.inputs().len(),
+            loss_dtype: graph.node(graph.outputs()[0]).ty.dtype,
+            rng_input: bindings.iter().position(|b| matches!(b, Binding::RngKey)),
+            key_var,
+            args,
+            params,
+            updates,
         })
+    }
+
+    /// One step: forward, backward and update.
+    fn fused(
+        &mut self,
+        d: Differentiated,
+        plan: &mut PlanBuilder<B>,
+        loss_temp: usize,
+    ) -> Result<()> {
+        let n_in = d.num_inputs;
+        let mut g = d.joint;
+        // The cotangent of the loss is 1: a constant, not an input.
+        let cot = g.inputs()[n_in].node;
+        let one = g.add(Op::Constant(Literal::scalar(d.loss_dtype, 1.0)), &[])?;
+        g.replace_uses(cot, one)?;
+        g.retain_inputs(|i, _| i != n_in)?;
+        let outs: Vec<NodeId> = g.outputs().to_vec();
+        let mut s = StepBuilder::new("fused", g, d.args)?;
+        s.output(outs[0], Dest::Temp(loss_temp));
+        for (k, &var) in d.updates.iter().enumerate() {
+            s.update(outs[1 + k], var)?;
+        }
+        let params: Vec<(NodeId, Tensor)> = d
+            .params
+            .iter()
+            .map(|(i, t)| (s.input_node(*i), t.clone()))
+            .collect();
+        self.add_updates(&mut s, &params, &outs[1 + d.updates.len()..])?;
+        if let Some(ri) = d.rng_input {
+            advance_key(&mut s, ri, d.key_var)?;
+        }
+        plan.push(s.finish(&self.rt)?);
+        Ok(())
+    }
+
+    /// Three steps, as AOTAutograd partitions: forward, backward, optimizer.
+    fn split(
+        &mut self,
+        d: Differentiated,
+        plan: &mut PlanBuilder<B>,
+        loss_temp: usize,
+    ) -> Result<()> {
+        let n_out = 1 + d.updates.len();
+        let split = partition(&d.joint, d.num_inputs, n_out, self.policy)?;
+        // Forward: the loss, the assigned variables' new values, the saved values.
+        let f_outs: Vec<NodeId> = split.forward.outputs().to_vec();
+        let mut fwd = StepBuilder::new("forward", split.forward, d.args.clone())?;
+        fwd.output(f_outs[0], Dest::Temp(loss_temp));
+        let mut forward_value: Vec<Arg> = vec![Arg::Temp(loss_temp)];
+        for (k, &var) in d.updates.iter().enumerate() {
+            fwd.update(f_outs[1 + k], var)?;
+            forward_value.push(Arg::Var(var));
+        }
+        for &node in &f_outs[n_out..] {
+            let t = plan.temp();
+            fwd.output(node, Dest::Temp(t));
+            forward_value.push(Arg::Temp(t));
+        }
+        if let Some(ri) = d.rng_input {
+            advance_key(&mut fwd, ri, d.key_var)?;
+        }
+        // Backward: saved values, forward inputs, the cotangent -> gradients.
+        let one = self.one()?;
+        let one = Arg::Var(self.rt.register(&one)?);
+        let mut b_args = Vec::with_capacity(split.backward_inputs.len());
+        for bi in &split.backward_inputs {
+            b_args.push(match *bi {
+                BackwardInput::Saved(k) => forward_value[k],
+                // A variable the forward step replaces: the backward step needs the value the
+                // forward step read, so the forward step hands on a copy.
+                BackwardInput::ForwardInput(i) => match d.args[i] {
+                    Arg::Var(v) if fwd.updated().contains(&v) => {
+                        let t = plan.temp();
+                        let node = fwd.input_node(i);
+                        fwd.output(node, Dest::Temp(t));
+                        Arg::Temp(t)
+                    }
+                    a => a,
+                },
+                BackwardInput::Cotangent(_) => one,
+            });
+        }
+        plan.push(fwd.finish(&self.rt)?);
+        let grads: Vec<usize> = d.params.iter().map(|_| plan.temp()).collect();
+        let b_outs: Vec<NodeId> = split.backward.outputs().to_vec();
+        let mut bwd = StepBuilder::new("backward", split.backward, b_args)?;
+        for (&node, &t) in b_outs.iter().zip(&grads) {
+            bwd.output(node, Dest::Temp(t));
+        }
+        plan.push(bwd.finish(&self.rt)?);
+        // Optimizer: params, grads, states, lr, step -> new params, states, step.
+        let mut s = StepBuilder::new("optimizer", Graph::new(), Vec::new())?;
+        let mut params = Vec::with_capacity(d.params.len());
+        let mut grad_nodes = Vec::with_capacity(d.params.len());
+        for ((_, t), &g) in d.params.iter().zip(&grads) {
+            let id = self.rt.register(t)?;
+            let ty = t.ty().clone();
+            let pn = s.input(InputKind::Parameter, name_of(t), ty.clone(), Arg::Var(id));
+            let gn = s.input(
+                InputKind::Saved,
+                format!("grad.{}", name_of(t)),
+                ty,
+                Arg::Temp(g),
+            );
+            params.push((pn, t.clone()));
+            grad_nodes.push(gn);
+        }
+        self.add_updates(&mut s, &params, &grad_nodes)?;
+        plan.push(s.finish(&self.rt)?);
+        Ok(())
     }
 
     /// Adds the optimizer update of every parameter (`params`: its node in the step's graph
