@@ -158,8 +158,8 @@ struct FnPlan<B: Backend> {
 enum ResultSource {
     /// The caller's argument, returned unchanged (no transfer).
     Data(usize),
-    /// A temporary of the plan, downloaded.
-    Temp(usize),
+    /// A value the plan downloads.
+    Host(usize),
 }
 
 /// The user's function and its traced programs (touched only when tracing).
@@ -393,22 +393,22 @@ impl<B: Backend> FnState<B> {
                     _ => None,
                 },
                 // A value already returned: downloaded again, not routed twice.
-                OutputSource::Output(j) => temp_of.get(&j).map(|&k| ResultSource::Temp(k)),
+                OutputSource::Output(j) => temp_of.get(&j).map(|&k| ResultSource::Host(k)),
             };
             let result = match reused {
                 Some(r) => r,
                 None => {
                     let k = routes.len();
-                    routes.push((src, Dest::Temp(k)));
+                    routes.push((src, Dest::Host(k)));
                     if let OutputSource::Output(j) = src {
                         temp_of.insert(j, k);
                     }
-                    ResultSource::Temp(k)
+                    ResultSource::Host(k)
                 }
             };
             results.push(result);
         }
-        let num_temps = routes.len();
+        let num_hosts = routes.len();
         for (var, out) in &p.state_updates {
             let src = *p.outputs.get(*out).ok_or_else(|| {
                 Error::Internal(format!(
@@ -425,7 +425,7 @@ impl<B: Backend> FnState<B> {
             routes,
         };
         Ok(FnPlan {
-            plan: Plan::new(vec![step], num_temps)?,
+            plan: Plan::new(vec![step], 0, num_hosts)?,
             results,
             uses_rng,
         })
@@ -443,16 +443,16 @@ impl<B: Backend> FnState<B> {
             let k = HostTensor::from_slice(&[2], &[self.seed, draw])?;
             data.push(self.rt.upload(&k)?);
         }
-        let temps = self.rt.run_plan(&p.plan, &data)?;
+        let mut values = self.rt.run_plan(&p.plan, &data)?;
         let mut results = Vec::with_capacity(p.results.len());
         for r in &p.results {
             results.push(match *r {
                 ResultSource::Data(d) => inputs[d].clone(),
-                ResultSource::Temp(k) => {
-                    let buf = temps[k]
-                        .as_ref()
-                        .ok_or_else(|| Error::Internal(format!("result temporary {k} not set")))?;
-                    Tensor::from_host(&self.rt.download(buf)?)?
+                ResultSource::Host(k) => {
+                    let h = values.hosts[k]
+                        .take()
+                        .ok_or_else(|| Error::Internal(format!("result {k} not computed")))?;
+                    Tensor::from_host(&h)?
                 }
             });
         }

@@ -252,7 +252,7 @@ impl<B: Backend> TrainStep<B> {
             .collect::<Result<_>>()?;
         // The previous step's values are no longer needed: free them before this step runs.
         self.last = None;
-        let temps = self.rt.run_plan(&self.programs[program].plan, &data)?;
+        let temps = self.rt.run_plan(&self.programs[program].plan, &data)?.temps;
         self.steps += 1;
         self.last = Some((program, temps));
         Ok(())

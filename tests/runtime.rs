@@ -610,3 +610,40 @@ fn shared_handle_throughput_one_and_two_threads() -> kiln::Result<()> {
     );
     Ok(())
 }
+
+/// A value both returned and stored in a variable (a recurrent state, say) costs one download
+/// per call and no device copy.
+#[test]
+fn a_value_returned_and_stored_moves_once() -> kiln::Result<()> {
+    let store = ParamStore::new();
+    let h = store
+        .root()
+        .buffer("h", &[3], Init::Const(0.0), DType::F32)?;
+    let hh = h.clone();
+    let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        let y = hh.add(&xs[0])?.tanh()?;
+        hh.assign(&y)?;
+        Ok(vec![y])
+    });
+    let x = Tensor::from_slice(&[3], &[0.1f32, 0.2, 0.3])?;
+    f.run(std::slice::from_ref(&x))?;
+    let before = f.stats();
+    let mut eager = vec![0.0f64; 3];
+    let mut last = Vec::new();
+    for _ in 0..3 {
+        last = f.run(std::slice::from_ref(&x))?.remove(0).to_f64_vec()?;
+    }
+    let d = f.stats().since(&before);
+    assert_eq!((d.h2d_transfers, d.d2h_transfers), (3, 3));
+    for _ in 0..4 {
+        for (e, xi) in eager.iter_mut().zip([0.1f32, 0.2, 0.3]) {
+            *e = ((*e as f32) + xi).tanh() as f64;
+        }
+    }
+    for (a, b) in last.iter().zip(&eager) {
+        assert!((a - b).abs() < 1e-6, "{last:?} vs {eager:?}");
+    }
+    f.sync_to_store()?;
+    assert_eq!(h.to_f64_vec()?, last);
+    Ok(())
+}

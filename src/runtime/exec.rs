@@ -6,12 +6,13 @@
 //! ([`Arg::Temp`]); each of its graph's outputs (before [dedup](crate::passes::dedup_outputs)) goes
 //! to a temporary or replaces a variable ([`Dest`]). The routing rules live here, once:
 //!
-//! - An output that is an input returned unchanged is copied *before* the executable runs (the
-//!   run may donate that input's buffer), except a variable "updated" to its own value, which
-//!   is left alone. So `var.assign(&x)` with `x` the function's argument or another variable
-//!   gives `var` a copy of `x`.
-//! - An executable output routed to several places (two variables assigned one value, a value
-//!   both returned and stored) gives the last of them the buffer and the others copies.
+//! - An output that is an input returned unchanged is copied (or, for the host, downloaded)
+//!   *before* the executable runs, as the run may donate that input's buffer; a variable
+//!   "updated" to its own value is left alone. So `var.assign(&x)` with `x` the function's
+//!   argument or another variable gives `var` a copy of `x`.
+//! - Values for the host ([`Dest::Host`]) are downloaded before any buffer moves. An executable
+//!   output that several places must own (two variables assigned one value) gives the last of
+//!   them the buffer and the others copies.
 //! - Variable updates replace the resident buffers after the step, so a later step reads the
 //!   new values.
 //!
@@ -19,7 +20,7 @@
 //! [`PlanBuilder`] numbers the temporaries that connect steps.
 
 use super::Runtime;
-use crate::backend::Backend;
+use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::ir::{Graph, InputKind, NodeId, Op, TensorType};
 use crate::passes::{dedup_outputs, simplify, OutputSource};
@@ -47,6 +48,8 @@ pub(crate) enum Dest {
     Temp(usize),
     /// The new value of a resident variable.
     Var(VarId),
+    /// A value the caller reads on the host after the run (downloaded: one sync).
+    Host(usize),
 }
 
 /// One executable with its input bindings and output routes.
@@ -60,12 +63,22 @@ pub(crate) struct Step<B: Backend> {
     pub(crate) routes: Vec<(OutputSource, Dest)>,
 }
 
+/// What a run of a [`Plan`] produced.
+pub(crate) struct Values<B: Backend> {
+    /// The plan's temporaries ([`Dest::Temp`]).
+    pub(crate) temps: Vec<Option<B::Buffer>>,
+    /// Values downloaded for the caller ([`Dest::Host`]).
+    pub(crate) hosts: Vec<Option<HostTensor>>,
+}
+
 /// Steps run in order, connected by temporaries. Holds no tensors (variables are ids), so a
 /// plan can be shared between threads.
 pub(crate) struct Plan<B: Backend> {
     pub(crate) steps: Vec<Step<B>>,
     pub(crate) num_temps: usize,
-    /// Every variable the plan reads or writes.
+    num_hosts: usize,
+    /// Every variable the plan reads (made resident before it runs; a variable only written
+    /// needs no upload).
     vars: Vec<VarId>,
     /// Does any step write a variable?
     writes: bool,
@@ -73,7 +86,7 @@ pub(crate) struct Plan<B: Backend> {
 
 impl<B: Backend> Plan<B> {
     /// Checks the wiring: indices in range, every temporary written before it is read.
-    pub(crate) fn new(steps: Vec<Step<B>>, num_temps: usize) -> Result<Self> {
+    pub(crate) fn new(steps: Vec<Step<B>>, num_temps: usize, num_hosts: usize) -> Result<Self> {
         let mut written = vec![false; num_temps];
         let mut vars = Vec::new();
         let mut writes = false;
@@ -110,10 +123,14 @@ impl<B: Backend> Plan<B> {
                             )))
                         }
                     },
-                    Dest::Var(v) => {
-                        vars.push(v);
-                        writes = true;
+                    Dest::Var(_) => writes = true,
+                    Dest::Host(k) if k >= num_hosts => {
+                        return Err(Error::Internal(format!(
+                            "{} writes host value {k} of {num_hosts}",
+                            s.name
+                        )))
                     }
+                    Dest::Host(_) => {}
                 }
             }
         }
@@ -122,6 +139,7 @@ impl<B: Backend> Plan<B> {
         Ok(Plan {
             steps,
             num_temps,
+            num_hosts,
             vars,
             writes,
         })
@@ -129,21 +147,21 @@ impl<B: Backend> Plan<B> {
 }
 
 impl<B: Backend> Runtime<B> {
-    /// Runs `plan` with `data` as its per-call buffers; returns its temporaries.
+    /// Runs `plan` with `data` as its per-call buffers; returns its temporaries and host
+    /// values.
     ///
     /// A plan that writes variables holds the variable table exclusively while it runs (other
     /// runs wait); one that only reads them runs concurrently with other readers.
-    pub(crate) fn run_plan(
-        &self,
-        plan: &Plan<B>,
-        data: &[B::Buffer],
-    ) -> Result<Vec<Option<B::Buffer>>> {
-        let mut temps: Vec<Option<B::Buffer>> = (0..plan.num_temps).map(|_| None).collect();
+    pub(crate) fn run_plan(&self, plan: &Plan<B>, data: &[B::Buffer]) -> Result<Values<B>> {
+        let mut out = Values {
+            temps: (0..plan.num_temps).map(|_| None).collect(),
+            hosts: vec![None; plan.num_hosts],
+        };
         if plan.writes {
             let mut vars = self.vars.write();
             self.make_resident(&mut vars, &plan.vars)?;
             for step in &plan.steps {
-                let updates = self.run_step(step, data, &vars, &mut temps)?;
+                let updates = self.run_step(step, data, &vars, &mut out)?;
                 for (v, buf) in updates {
                     self.replace_resident(&mut vars, v, buf)?;
                 }
@@ -157,7 +175,7 @@ impl<B: Backend> Runtime<B> {
                 vars = parking_lot::RwLockWriteGuard::downgrade(w);
             }
             for step in &plan.steps {
-                if !self.run_step(step, data, &vars, &mut temps)?.is_empty() {
+                if !self.run_step(step, data, &vars, &mut out)?.is_empty() {
                     return Err(Error::Internal(format!(
                         "{} updated a variable in a read-only plan",
                         step.name
@@ -165,7 +183,7 @@ impl<B: Backend> Runtime<B> {
                 }
             }
         }
-        Ok(temps)
+        Ok(out)
     }
 
     /// Binds, runs and routes one step; returns its variable updates (applied by the caller).
@@ -174,8 +192,9 @@ impl<B: Backend> Runtime<B> {
         step: &Step<B>,
         data: &[B::Buffer],
         vars: &super::VarTable<B::Buffer>,
-        temps: &mut [Option<B::Buffer>],
+        out: &mut Values<B>,
     ) -> Result<Vec<(VarId, B::Buffer)>> {
+        let Values { temps, hosts } = out;
         let (outs, mut forwarded) = {
             let mut args: Vec<&B::Buffer> = Vec::with_capacity(step.args.len());
             for a in &step.args {
@@ -203,28 +222,40 @@ impl<B: Backend> Runtime<B> {
                     })?,
                 });
             }
-            // Inputs returned unchanged: copied now, as the run may donate them.
+            // Inputs returned unchanged: copied (or downloaded) now, as the run may donate them.
             let mut forwarded: Vec<Option<B::Buffer>> = Vec::with_capacity(step.routes.len());
             for (src, dest) in &step.routes {
                 forwarded.push(match (*src, *dest) {
                     (OutputSource::Input(i), Dest::Var(v)) if step.args[i] == Arg::Var(v) => None,
+                    (OutputSource::Input(i), Dest::Host(k)) => {
+                        hosts[k] = Some(self.download(args[i])?);
+                        None
+                    }
                     (OutputSource::Input(i), _) => Some(self.copy(args[i])?),
                     (OutputSource::Output(_), _) => None,
                 });
             }
             (self.execute(&step.exe, &args)?, forwarded)
         };
-        let mut outs: Vec<Option<B::Buffer>> = outs.into_iter().map(Some).collect();
+        // Host values first (reading needs no ownership), then count the owners of each output.
         let mut uses = vec![0usize; outs.len()];
-        for (src, _) in &step.routes {
+        for (src, dest) in &step.routes {
             if let OutputSource::Output(j) = *src {
-                *uses.get_mut(j).ok_or_else(|| {
+                let buf = outs.get(j).ok_or_else(|| {
                     Error::Internal(format!("{} routes output {j} of {}", step.name, outs.len()))
-                })? += 1;
+                })?;
+                match *dest {
+                    Dest::Host(k) => hosts[k] = Some(self.download(buf)?),
+                    Dest::Temp(_) | Dest::Var(_) => uses[j] += 1,
+                }
             }
         }
+        let mut outs: Vec<Option<B::Buffer>> = outs.into_iter().map(Some).collect();
         let mut updates = Vec::new();
         for (r, (src, dest)) in step.routes.iter().enumerate() {
+            if matches!(dest, Dest::Host(_)) {
+                continue;
+            }
             let buf = match *src {
                 OutputSource::Output(j) => {
                     uses[j] -= 1;
@@ -241,6 +272,7 @@ impl<B: Backend> Runtime<B> {
                 (Dest::Var(v), Some(b)) => updates.push((v, b)),
                 // A variable routed to its own unchanged value.
                 (Dest::Var(_), None) if matches!(src, OutputSource::Input(_)) => {}
+                (Dest::Host(_), _) => {}
                 (_, None) => {
                     return Err(Error::Internal(format!(
                         "{}: output {src:?} was moved before its last route",
@@ -405,6 +437,6 @@ impl<B: Backend> PlanBuilder<B> {
 
     /// The checked plan.
     pub(crate) fn finish(self) -> Result<Plan<B>> {
-        Plan::new(self.steps, self.num_temps)
+        Plan::new(self.steps, self.num_temps, 0)
     }
 }
