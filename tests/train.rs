@@ -431,3 +431,26 @@ fn the_backward_pass_reads_the_values_the_forward_pass_read() -> kiln::Result<()
     }
     Ok(())
 }
+
+/// A train step is `Send`: built here, driven on another thread, it trains exactly as here.
+#[test]
+fn a_train_step_moves_to_another_thread() -> kiln::Result<()> {
+    let run = |on_worker: bool| -> kiln::Result<Vec<f64>> {
+        let store = ParamStore::with_seed(12);
+        let net = Net::new(&store, 0.2)?;
+        let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
+            loss_of(&net, xs)
+        })?
+        .with_lr(0.05)
+        .with_seed(3)?;
+        let mut steps =
+            move || -> kiln::Result<Vec<f64>> { (0..4).map(|s| step.step(&batch(s)?)).collect() };
+        if on_worker {
+            std::thread::spawn(steps).join().expect("worker panicked")
+        } else {
+            steps()
+        }
+    };
+    assert_eq!(run(false)?, run(true)?);
+    Ok(())
+}
