@@ -19,7 +19,6 @@ use kiln::compile::Program;
 use kiln::nn::{Linear, Module, ParamStore, Sequential};
 use kiln::{compile, trace, zoo, Tensor, TensorType, TraceMode};
 use std::hint::black_box;
-use std::rc::Rc;
 use std::time::Duration;
 
 fn configured<'a>(
@@ -33,14 +32,15 @@ fn configured<'a>(
     g
 }
 
-/// The seeds' LinearModel: two Linear(10, 10), input randn(2, 10).
-fn linear_model() -> (Rc<Sequential>, Tensor) {
+/// The seeds' LinearModel: two Linear(10, 10), input randn(2, 10). Seeded: every call builds
+/// the same model (compiled closures own theirs: they must be `Send`).
+fn linear_model() -> (Sequential, Tensor) {
     let store = ParamStore::with_seed(0);
     let p = store.root().sub("layers");
     let model = Sequential::new()
         .add(Linear::new(&p.sub(0), 10, 10, true).expect("layer"))
         .add(Linear::new(&p.sub(1), 10, 10, true).expect("layer"));
-    (Rc::new(model), Tensor::randn(&[2, 10], 1).expect("input"))
+    (model, Tensor::randn(&[2, 10], 1).expect("input"))
 }
 
 /// A small conv model and its input: resnet18 if the zoo has it, else the zoo's first model.
@@ -69,7 +69,7 @@ fn replay(c: &mut Criterion) {
         ("linear/xla_trace_once", TraceMode::Once),
         ("linear/xla_trace_every_call", TraceMode::EveryCall),
     ] {
-        let m = model.clone();
+        let m = linear_model().0;
         let mut f = compile(xla.clone(), move |xs: &[Tensor]| {
             Ok(vec![m.forward(&xs[0])?])
         })
@@ -135,7 +135,7 @@ fn interpreter(c: &mut Criterion) {
     g.bench_function("linear/kiln_tensors_eager", |b| {
         b.iter(|| tch::no_grad(|| model.forward(black_box(&x))).expect("eager"))
     });
-    let m = model.clone();
+    let m = linear_model().0;
     let mut f = compile(EagerBackend::new(), move |xs: &[Tensor]| {
         Ok(vec![m.forward(&xs[0])?])
     });

@@ -25,10 +25,9 @@ use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{ConvAttrs, Graph, InputKind, Op, TensorType};
 use kiln::optim::Sgd;
 use kiln::train::{EagerTrainStep, TrainMode, TrainStep};
-use kiln::zoo::{self, Model};
+use kiln::zoo::{self, Model, SharedModel};
 use kiln::{compile, Tensor};
 use std::collections::BTreeMap;
-use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -218,10 +217,7 @@ fn conv_key(c: &ConvAttrs, x: &TensorType, w: &TensorType) -> String {
     )
 }
 
-fn train_step<B: Backend + 'static>(
-    backend: B,
-    model: &Rc<dyn Model>,
-) -> kiln::Result<TrainStep<B>> {
+fn train_step<B: Backend + 'static>(backend: B, model: &SharedModel) -> kiln::Result<TrainStep<B>> {
     let m = model.clone();
     Ok(TrainStep::new(
         backend,
@@ -237,7 +233,7 @@ fn train_step<B: Backend + 'static>(
 }
 
 fn convs(args: &Args, xla: &XlaBackend) -> kiln::Result<()> {
-    let model: Rc<dyn Model> = Rc::from(zoo::build(&args.model, 0)?);
+    let model: SharedModel = SharedModel::new(zoo::build(&args.model, 0)?);
     let inputs = model.example_inputs(4, 1)?;
     let graphs = Arc::new(Mutex::new(Vec::new()));
     let rec = Recorder {
@@ -346,7 +342,7 @@ fn convs(args: &Args, xla: &XlaBackend) -> kiln::Result<()> {
 }
 
 fn e2e(args: &Args, xla: &XlaBackend) -> kiln::Result<()> {
-    let model: Rc<dyn Model> = Rc::from(zoo::build(&args.model, 0)?);
+    let model: SharedModel = SharedModel::new(zoo::build(&args.model, 0)?);
     let inputs = model.example_inputs(4, 1)?;
     let before = xla.with_options(XlaOptions::plain());
     let after = xla.with_options(args.after.clone());

@@ -13,9 +13,8 @@
 //! output download; parameters stay on the device.
 
 use kiln::backend::xla::XlaBackend;
-use kiln::zoo::{self, Model};
+use kiln::zoo::{self, Model, SharedModel};
 use kiln::{compile, Tensor};
-use std::sync::Arc;
 use std::time::Instant;
 
 struct Args {
@@ -105,7 +104,7 @@ struct Row {
 }
 
 fn run(backend: &XlaBackend, name: &str, batch: Option<usize>, seconds: f64) -> kiln::Result<Row> {
-    let model: Arc<dyn Model> = Arc::from(zoo::build(name, 0)?);
+    let model: SharedModel = SharedModel::new(zoo::build(name, 0)?);
     let batch = batch.unwrap_or(if name == "linear" { 2 } else { 4 });
     let inputs = model.example_inputs(batch, 1)?;
 

@@ -15,7 +15,8 @@ fn main() -> kiln::Result<()> {
     let model = Sequential::new()
         .add(Linear::new(&root.sub("layers.0"), 10, 10, true)?)
         .add(Linear::new(&root.sub("layers.1"), 10, 10, true)?);
-    let model = std::rc::Rc::new(model);
+    // Shared by the eager calls and the compiled closure (which must be `Send`).
+    let model = kiln::nn::Shared::new(model);
     let x = Tensor::randn(&[2, 10], 42)?;
 
     let eager = tch::no_grad(|| model.forward(&x))?;

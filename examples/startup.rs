@@ -13,13 +13,13 @@ use kiln::backend::xla::XlaBackend;
 use kiln::optim::Sgd;
 use kiln::runtime::ExecutableCache;
 use kiln::train::{TrainMode, TrainStep};
-use kiln::{compile_with, zoo, Runtime, Tensor, TraceMode};
-use std::rc::Rc;
+use kiln::zoo::{self, Model};
+use kiln::{compile_with, Runtime, Tensor, TraceMode};
 use std::time::Instant;
 
 fn infer_start(cache: ExecutableCache<XlaBackend>) -> kiln::Result<(f64, kiln::Stats)> {
     let t0 = Instant::now();
-    let model: Rc<dyn zoo::Model> = Rc::from(zoo::build("resnet18", 0)?);
+    let model: zoo::SharedModel = zoo::SharedModel::new(zoo::build("resnet18", 0)?);
     let x = model.example_inputs(4, 1)?;
     let m = model.clone();
     let mut f = compile_with(
@@ -31,7 +31,7 @@ fn infer_start(cache: ExecutableCache<XlaBackend>) -> kiln::Result<(f64, kiln::S
 }
 
 fn train_step(name: &str, mode: TraceMode) -> kiln::Result<TrainStep<XlaBackend>> {
-    let model: Rc<dyn zoo::Model> = Rc::from(zoo::build(name, 0)?);
+    let model: zoo::SharedModel = zoo::SharedModel::new(zoo::build(name, 0)?);
     let m = model.clone();
     let store = model.store().clone();
     TrainStep::new(
@@ -52,7 +52,7 @@ fn train_step(name: &str, mode: TraceMode) -> kiln::Result<TrainStep<XlaBackend>
 
 fn train_start(dir: &std::path::Path) -> kiln::Result<(f64, kiln::Stats)> {
     let t0 = Instant::now();
-    let model: Rc<dyn zoo::Model> = Rc::from(zoo::build("resnet18", 0)?);
+    let model: zoo::SharedModel = zoo::SharedModel::new(zoo::build("resnet18", 0)?);
     let x = model.example_inputs(4, 1)?;
     let m = model.clone();
     let store = model.store().clone();

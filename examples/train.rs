@@ -11,12 +11,11 @@ mod digits;
 use digits::{permutation, Digits};
 use kiln::backend::xla::XlaBackend;
 use kiln::nn::{
-    Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Module, ParamStore, Relu, Sequential,
+    Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Module, ParamStore, Relu, Sequential, Shared,
 };
 use kiln::optim::Sgd;
 use kiln::train::{EagerTrainStep, TrainMode, TrainStep};
 use kiln::Tensor;
-use std::rc::Rc;
 use std::time::Instant;
 
 const BATCH: usize = 64;
@@ -38,7 +37,7 @@ fn cnn(store: &ParamStore) -> kiln::Result<Sequential> {
         .add(Linear::new(&r.sub("fc"), 32 * 2 * 2, 10, true)?))
 }
 
-fn accuracy(model: &Sequential, data: &Digits, idx: &[usize]) -> kiln::Result<f64> {
+fn accuracy(model: &impl Module, data: &Digits, idx: &[usize]) -> kiln::Result<f64> {
     let (x, y) = data.batch(idx)?;
     let logits = tch::no_grad(|| model.forward(&x))?;
     let pred = logits.as_tch()?.f_argmax(-1, false)?;
@@ -72,7 +71,7 @@ fn main() -> kiln::Result<()> {
     for mode in ["eager", "xla split", "xla fused"] {
         // The same seed gives every run the same initial weights.
         let store = ParamStore::with_seed(1);
-        let model = Rc::new(cnn(&store)?);
+        let model = Shared::new(cnn(&store)?);
         let m = model.clone();
         let loss_fn = move |xs: &[Tensor]| m.forward_t(&xs[0], true)?.cross_entropy(&xs[1]);
         let opt = Sgd::new().momentum(0.9);

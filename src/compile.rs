@@ -4,10 +4,12 @@ use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::ir::{Fingerprint, Graph, InputKind, TensorType};
 use crate::passes::{dedup_outputs, simplify, OutputSource};
+use crate::runtime::exec::{Arg, Dest, Plan, Step};
 use crate::runtime::{Runtime, Stats};
 use crate::trace::{trace, var_input, Binding, Tensor, Traced};
+use parking_lot::{Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
-use std::rc::Rc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -25,6 +27,7 @@ pub enum TraceMode {
 /// A traced graph prepared for one input signature and backend: simplified, unused variables
 /// dropped, outputs deduplicated, state updates aliased to their inputs, rewritten by the
 /// backend ([`Backend::rewrite`]).
+#[derive(Clone, Debug)]
 pub struct Program {
     /// The graph that is compiled (and fingerprinted).
     pub graph: Graph,
@@ -92,16 +95,89 @@ impl Program {
     }
 }
 
-type UserFn = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>>;
-type Prepared<B> = (Rc<Program>, Arc<<B as Backend>::Executable>);
+type UserFn = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send>;
 
 /// A function compiled for a backend; see [`compile`].
+///
+/// `CompiledFn` is `Send` (a model compiled on one thread can move to a worker thread or into
+/// an async task). To call one compiled model from several threads at once, turn it into a
+/// [`SharedFn`] with [`CompiledFn::shared`].
 pub struct CompiledFn<B: Backend> {
-    rt: Runtime<B>,
+    inner: FnState<B>,
+}
+
+/// A compiled function that several threads call at once: cheap to clone (`Arc` inside), `Sync`
+/// when the backend's buffers are (XLA's are; the eager backend's tch tensors are not).
+///
+/// All clones share one runtime: one executable per input signature and one set of resident
+/// variables. Calls that only read variables (inference) run concurrently: the executable is
+/// run by several threads at once, which PJRT allows. A call of a program that writes variables
+/// (a buffer assigned in the function, e.g. BatchNorm statistics in training mode) holds the
+/// variables exclusively while it runs, so such calls are serialized and each sees the
+/// previous one's updates (in the order the threads got there). Tracing and compiling a new
+/// signature happens once, under a lock; other signatures keep running meanwhile. Random draws
+/// (dropout) use one counter for all clones: every call gets its own key.
+///
+/// ```no_run
+/// use kiln::backend::xla::XlaBackend;
+/// use kiln::nn::{Linear, Module, ParamStore};
+/// use kiln::{compile, Tensor};
+///
+/// let store = ParamStore::new();
+/// let layer = Linear::new(&store.root().sub("fc"), 10, 10, true)?;
+/// let f = compile(XlaBackend::new()?, move |xs: &[Tensor]| Ok(vec![layer.forward(&xs[0])?]))
+///     .shared();
+/// let workers: Vec<_> = (0..4)
+///     .map(|i| {
+///         let f = f.clone();
+///         std::thread::spawn(move || f.run(&[Tensor::randn(&[2, 10], i)?]))
+///     })
+///     .collect();
+/// for w in workers {
+///     let y = w.join().unwrap()?;
+/// }
+/// # Ok::<(), kiln::Error>(())
+/// ```
+pub struct SharedFn<B: Backend> {
+    inner: Arc<FnState<B>>,
+}
+
+impl<B: Backend> Clone for SharedFn<B> {
+    fn clone(&self) -> Self {
+        SharedFn {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+/// What a call needs for one input signature: the plan, and where each result comes from.
+struct FnPlan<B: Backend> {
+    plan: Plan<B>,
+    results: Vec<ResultSource>,
+    uses_rng: bool,
+}
+
+enum ResultSource {
+    /// The caller's argument, returned unchanged (no transfer).
+    Data(usize),
+    /// A value the plan downloads.
+    Host(usize),
+}
+
+/// The user's function and its traced programs (touched only when tracing).
+struct Tracer {
     f: UserFn,
+    programs: HashMap<Vec<TensorType>, Program>,
+}
+
+/// The state of a compiled function, shared by [`CompiledFn`] and [`SharedFn`].
+struct FnState<B: Backend> {
+    rt: Runtime<B>,
     mode: TraceMode,
-    programs: HashMap<Vec<TensorType>, Prepared<B>>,
-    rng: (u32, u32),
+    tracer: Mutex<Tracer>,
+    plans: RwLock<HashMap<Vec<TensorType>, Arc<FnPlan<B>>>>,
+    seed: u32,
+    draws: AtomicU32,
 }
 
 /// Compiles `f` for `backend`. Nothing happens until the first call.
@@ -123,7 +199,7 @@ pub struct CompiledFn<B: Backend> {
 pub fn compile<B, F>(backend: B, f: F) -> CompiledFn<B>
 where
     B: Backend,
-    F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'static,
+    F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + 'static,
 {
     compile_with(Runtime::new(backend), f)
 }
@@ -133,66 +209,63 @@ where
 pub fn compile_with<B, F>(rt: Runtime<B>, f: F) -> CompiledFn<B>
 where
     B: Backend,
-    F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'static,
+    F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + 'static,
 {
     CompiledFn {
-        rt,
-        f: Box::new(f),
-        mode: TraceMode::Once,
-        programs: HashMap::new(),
-        rng: (0, 0),
+        inner: FnState {
+            rt,
+            mode: TraceMode::Once,
+            tracer: Mutex::new(Tracer {
+                f: Box::new(f),
+                programs: HashMap::new(),
+            }),
+            plans: RwLock::new(HashMap::new()),
+            seed: 0,
+            draws: AtomicU32::new(0),
+        },
     }
 }
 
 impl<B: Backend> CompiledFn<B> {
     /// Sets the trace mode (default [`TraceMode::Once`]).
     pub fn with_mode(mut self, mode: TraceMode) -> Self {
-        self.mode = mode;
+        self.inner.mode = mode;
         self
     }
 
     /// Seeds the random-number key passed to graphs that draw random numbers (dropout).
     pub fn with_seed(mut self, seed: u32) -> Self {
-        self.rng = (seed, 0);
+        self.inner.seed = seed;
+        self.inner.draws = AtomicU32::new(0);
         self
+    }
+
+    /// A handle that several threads can call at once, sharing this function's executables and
+    /// resident variables; see [`SharedFn`].
+    pub fn shared(self) -> SharedFn<B> {
+        SharedFn {
+            inner: Arc::new(self.inner),
+        }
     }
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> Stats {
-        self.rt.stats()
+        self.inner.rt.stats()
     }
 
     /// The runtime (backend, cache, resident variables, metrics).
     pub fn runtime(&self) -> &Runtime<B> {
-        &self.rt
+        &self.inner.rt
     }
 
     /// The backend.
     pub fn backend(&self) -> &B {
-        self.rt.backend()
+        self.inner.rt.backend()
     }
 
-    /// The prepared program for an input signature, if it has been traced.
-    pub fn program(&self, signature: &[TensorType]) -> Option<&Program> {
-        self.programs.get(signature).map(|p| p.0.as_ref())
-    }
-
-    fn prepare(&mut self, signature: &[TensorType]) -> Result<Prepared<B>> {
-        if self.mode == TraceMode::Once {
-            if let Some((p, e)) = self.programs.get(signature) {
-                // A replay is a cache hit (the executable is not looked up again).
-                self.rt.metrics().cache_hit();
-                return Ok((p.clone(), e.clone()));
-            }
-        }
-        let t0 = Instant::now();
-        let traced = trace(signature, |xs| (self.f)(xs))?;
-        let program = Rc::new(Program::new(traced, self.rt.backend())?);
-        self.rt.metrics().traced(t0.elapsed());
-        let exe = self.rt.executable(&program.graph, program.fingerprint)?;
-        self.programs
-            .insert(signature.to_vec(), (program.clone(), exe.clone()));
-        Ok((program, exe))
+    /// The prepared program for an input signature (a copy), if it has been traced.
+    pub fn program(&self, signature: &[TensorType]) -> Option<Program> {
+        self.inner.program(signature)
     }
 
     /// Runs the function on eager tensors; returns eager tensors.
@@ -201,82 +274,190 @@ impl<B: Backend> CompiledFn<B> {
     /// variables the function assigns are updated there (donating the old buffer) and copied
     /// back to the [`crate::nn::ParamStore`] only by [`CompiledFn::sync_to_store`].
     pub fn run(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        let signature: Vec<TensorType> = inputs.iter().map(|t| t.ty().clone()).collect();
-        let (program, exe) = self.prepare(&signature)?;
-        // Phase 1: make every variable resident, and build per-call buffers.
-        let mut temps: Vec<Option<B::Buffer>> = Vec::with_capacity(program.bindings.len());
-        let mut key = None;
-        for b in &program.bindings {
-            match b {
-                Binding::Data(i) => temps.push(Some(self.rt.upload_tensor(&inputs[*i])?)),
-                Binding::Var(t) => {
-                    self.rt.ensure_var(t)?;
-                    temps.push(None);
-                }
-                Binding::RngKey => {
-                    let k = HostTensor::from_slice(&[2], &[self.rng.0, self.rng.1])?;
-                    self.rng.1 = self.rng.1.wrapping_add(1);
-                    temps.push(Some(self.rt.upload(&k)?));
-                    key = Some(k);
-                }
-            }
-        }
-        // Phase 2: execute.
-        let outs = {
-            let mut args: Vec<&B::Buffer> = Vec::with_capacity(temps.len());
-            for (b, tmp) in program.bindings.iter().zip(&temps) {
-                match (b, tmp) {
-                    (_, Some(buf)) => args.push(buf),
-                    (Binding::Var(t), None) => args.push(self.rt.var_buffer(t)?),
-                    _ => return Err(Error::Invalid("internal: unbound input".into())),
-                }
-            }
-            self.rt.execute(&exe, &args)?
-        };
-        // Phase 3: read the function's outputs, then keep state updates on the device.
-        let mut results = Vec::with_capacity(program.num_outputs);
-        for src in &program.outputs[..program.num_outputs] {
-            let t = match *src {
-                OutputSource::Output(j) => Tensor::from_host(&self.rt.download(&outs[j])?)?,
-                OutputSource::Input(i) => match &program.bindings[i] {
-                    Binding::Data(d) => inputs[*d].clone(),
-                    Binding::Var(t) => {
-                        Tensor::from_host(&self.rt.download(self.rt.var_buffer(t)?)?)?
-                    }
-                    Binding::RngKey => match &key {
-                        Some(k) => Tensor::from_host(k)?,
-                        None => return Err(Error::Invalid("internal: rng key not bound".into())),
-                    },
-                },
-            };
-            results.push(t);
-        }
-        let mut outs: Vec<Option<B::Buffer>> = outs.into_iter().map(Some).collect();
-        for (var, k) in &program.state_updates {
-            if let OutputSource::Output(j) = program.outputs[*k] {
-                let buf = match outs[j].take() {
-                    Some(b) => b,
-                    // Two variables assigned the same value: give the second its own copy.
-                    None => {
-                        let h = self.rt.download(self.rt.var_buffer(var)?)?;
-                        self.rt.upload(&h)?
-                    }
-                };
-                self.rt.replace_var(var, buf)?;
-            }
-        }
-        Ok(results)
+        self.inner.run(inputs)
     }
 
     /// Copies variables updated on the device back into their [`crate::nn::ParamStore`].
     pub fn sync_to_store(&mut self) -> Result<()> {
-        self.rt.sync_to_store()
+        self.inner.rt.sync_to_store()
     }
 
     /// Forgets the device copies of variables, so the next call uploads the store's current
     /// values (call after changing the store eagerly, e.g. loading weights). Pending device
     /// updates are synced to the store first.
     pub fn refresh_from_store(&mut self) -> Result<()> {
-        self.rt.refresh_from_store()
+        self.inner.rt.refresh_from_store()
+    }
+}
+
+impl<B: Backend> SharedFn<B> {
+    /// Runs the function; see [`CompiledFn::run`] and the type's docs for what concurrent calls
+    /// share.
+    pub fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.inner.run(inputs)
+    }
+
+    /// A snapshot of the counters (of all clones together).
+    pub fn stats(&self) -> Stats {
+        self.inner.rt.stats()
+    }
+
+    /// The runtime (backend, cache, resident variables, metrics).
+    pub fn runtime(&self) -> &Runtime<B> {
+        &self.inner.rt
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        self.inner.rt.backend()
+    }
+
+    /// The prepared program for an input signature (a copy), if it has been traced.
+    pub fn program(&self, signature: &[TensorType]) -> Option<Program> {
+        self.inner.program(signature)
+    }
+
+    /// Copies variables updated on the device back into their [`crate::nn::ParamStore`]
+    /// (waits for running calls that write variables).
+    pub fn sync_to_store(&self) -> Result<()> {
+        self.inner.rt.sync_to_store()
+    }
+
+    /// Forgets the device copies of variables; see [`CompiledFn::refresh_from_store`]. Waits
+    /// for running calls.
+    pub fn refresh_from_store(&self) -> Result<()> {
+        self.inner.rt.refresh_from_store()
+    }
+}
+
+impl<B: Backend> FnState<B> {
+    fn program(&self, signature: &[TensorType]) -> Option<Program> {
+        self.tracer.lock().programs.get(signature).cloned()
+    }
+
+    /// The plan for `signature`: prepared before (trace once), or traced now.
+    fn plan(&self, signature: &[TensorType]) -> Result<Arc<FnPlan<B>>> {
+        let cached = || {
+            let p = self.plans.read().get(signature).cloned();
+            if p.is_some() {
+                // A replay is a cache hit (the executable is not looked up again).
+                self.rt.metrics().cache_hit();
+            }
+            p
+        };
+        if self.mode == TraceMode::Once {
+            if let Some(p) = cached() {
+                return Ok(p);
+            }
+        }
+        let mut tracer = self.tracer.lock();
+        if self.mode == TraceMode::Once {
+            // Another thread may have traced this signature while this one waited.
+            if let Some(p) = cached() {
+                return Ok(p);
+            }
+        }
+        let t0 = Instant::now();
+        let traced = trace(signature, |xs| (tracer.f)(xs))?;
+        let program = Program::new(traced, self.rt.backend())?;
+        self.rt.metrics().traced(t0.elapsed());
+        let exe = self.rt.executable(&program.graph, program.fingerprint)?;
+        let plan = Arc::new(self.bind(&program, exe, signature.len())?);
+        tracer.programs.insert(signature.to_vec(), program);
+        self.plans.write().insert(signature.to_vec(), plan.clone());
+        Ok(plan)
+    }
+
+    /// Wires a program's inputs and outputs: the caller's arguments are data `0..n`, the
+    /// random key (if drawn) data `n`; results go to temporaries, variable updates to the
+    /// variables.
+    fn bind(&self, p: &Program, exe: Arc<B::Executable>, num_inputs: usize) -> Result<FnPlan<B>> {
+        let mut uses_rng = false;
+        let mut args = Vec::with_capacity(p.bindings.len());
+        for b in &p.bindings {
+            args.push(match b {
+                Binding::Data(i) => Arg::Data(*i),
+                Binding::Var(t) => Arg::Var(self.rt.register(t)?),
+                Binding::RngKey => {
+                    uses_rng = true;
+                    Arg::Data(num_inputs)
+                }
+            });
+        }
+        let mut routes = Vec::new();
+        let mut results = Vec::with_capacity(p.num_outputs);
+        let mut temp_of: HashMap<usize, usize> = HashMap::new();
+        for &src in &p.outputs[..p.num_outputs] {
+            let reused = match src {
+                // The caller's own argument: handed back without a transfer.
+                OutputSource::Input(i) => match args[i] {
+                    Arg::Data(d) if d < num_inputs => Some(ResultSource::Data(d)),
+                    _ => None,
+                },
+                // A value already returned: downloaded again, not routed twice.
+                OutputSource::Output(j) => temp_of.get(&j).map(|&k| ResultSource::Host(k)),
+            };
+            let result = match reused {
+                Some(r) => r,
+                None => {
+                    let k = routes.len();
+                    routes.push((src, Dest::Host(k)));
+                    if let OutputSource::Output(j) = src {
+                        temp_of.insert(j, k);
+                    }
+                    ResultSource::Host(k)
+                }
+            };
+            results.push(result);
+        }
+        let num_hosts = routes.len();
+        for (var, out) in &p.state_updates {
+            let src = *p.outputs.get(*out).ok_or_else(|| {
+                Error::Internal(format!(
+                    "state update to output {out} of {}",
+                    p.outputs.len()
+                ))
+            })?;
+            routes.push((src, Dest::Var(self.rt.register(var)?)));
+        }
+        let step = Step {
+            name: "function",
+            exe,
+            args,
+            routes,
+        };
+        Ok(FnPlan {
+            plan: Plan::new(vec![step], 0, num_hosts)?,
+            results,
+            uses_rng,
+        })
+    }
+
+    fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let signature: Vec<TensorType> = inputs.iter().map(|t| t.ty().clone()).collect();
+        let p = self.plan(&signature)?;
+        let mut data = Vec::with_capacity(inputs.len() + 1);
+        for t in inputs {
+            data.push(self.rt.upload_tensor(t)?);
+        }
+        if p.uses_rng {
+            let draw = self.draws.fetch_add(1, Ordering::Relaxed);
+            let k = HostTensor::from_slice(&[2], &[self.seed, draw])?;
+            data.push(self.rt.upload(&k)?);
+        }
+        let mut values = self.rt.run_plan(&p.plan, &data)?;
+        let mut results = Vec::with_capacity(p.results.len());
+        for r in &p.results {
+            results.push(match *r {
+                ResultSource::Data(d) => inputs[d].clone(),
+                ResultSource::Host(k) => {
+                    let h = values.hosts[k]
+                        .take()
+                        .ok_or_else(|| Error::Internal(format!("result {k} not computed")))?;
+                    Tensor::from_host(&h)?
+                }
+            });
+        }
+        Ok(results)
     }
 }

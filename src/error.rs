@@ -96,6 +96,26 @@ pub enum Error {
     /// A caller-supplied argument is invalid (outside any op).
     #[error("{0}")]
     Invalid(String),
+
+    /// An error raised while working on one op of a graph (differentiating it, evaluating it):
+    /// the op and its result type, around the underlying error, whose variant is kept
+    /// ([`Error::root`] reaches it).
+    #[error("{action} {op} -> {ty}: {source}")]
+    AtOp {
+        /// What was being done, e.g. `differentiating`, `evaluating`.
+        action: &'static str,
+        /// The op's name, e.g. `reshape`.
+        op: String,
+        /// The op's result type, rendered.
+        ty: String,
+        /// The underlying error.
+        #[source]
+        source: Box<Error>,
+    },
+
+    /// A broken internal invariant: a bug in kiln, never the caller's fault.
+    #[error("internal error (this is a kiln bug, please report it): {0}")]
+    Internal(String),
 }
 
 /// Shorthand for `std::result::Result<T, kiln::Error>`.
@@ -120,11 +140,56 @@ impl Error {
         }
     }
 
+    /// Wraps `source` with the op (and its result type) it was raised at; see [`Error::AtOp`].
+    pub fn at_op(
+        action: &'static str,
+        op: impl Into<String>,
+        ty: &crate::ir::TensorType,
+        source: Error,
+    ) -> Self {
+        Error::AtOp {
+            action,
+            op: op.into(),
+            ty: ty.to_string(),
+            source: Box::new(source),
+        }
+    }
+
+    /// The innermost error under any [`Error::AtOp`] context, for matching on what went wrong.
+    pub fn root(&self) -> &Error {
+        let mut e = self;
+        while let Error::AtOp { source, .. } = e {
+            e = source;
+        }
+        e
+    }
+
     /// Wraps an I/O error with the file it concerns.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
             source,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{DType, TensorType};
+
+    #[test]
+    fn context_layers_keep_the_variant() {
+        let ty = TensorType::new(DType::F32, [2]);
+        let inner = Error::type_error("add", "shapes differ", &[&ty, &ty]);
+        let e = Error::at_op("evaluating", "add", &ty, inner);
+        let e = Error::at_op("differentiating", "exp", &ty, e);
+        assert!(matches!(e.root(), Error::Type { op, .. } if op == "add"));
+        assert_eq!(
+            e.to_string(),
+            "differentiating exp -> f32[2]: evaluating add -> f32[2]: add: shapes differ \
+             (operands: f32[2], f32[2])"
+        );
+        assert!(std::error::Error::source(&e).is_some());
     }
 }

@@ -51,7 +51,7 @@ pub mod trace;
 pub mod train;
 pub mod zoo;
 
-pub use compile::{compile, compile_with, CompiledFn, Program, TraceMode};
+pub use compile::{compile, compile_with, CompiledFn, Program, SharedFn, TraceMode};
 pub use error::{Error, Result};
 pub use ir::{DType, Shape, TensorType};
 pub use runtime::{Runtime, Stats};

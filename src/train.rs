@@ -8,23 +8,21 @@
 //! Everything a step reads besides the batch lives on the device: parameters, buffers (BatchNorm
 //! running statistics), optimizer state, the step count, the learning rate, the random-number
 //! key. Graphs update them as extra outputs whose inputs are donated, so a steady-state step
-//! transfers only the batch to the device and, when asked, the loss back.
+//! transfers only the batch to the device and, when asked, the loss back. The stages run on the
+//! runtime's executor ([`crate::runtime`]), the same one [`crate::CompiledFn`] uses.
 
 use crate::autograd::{joint, partition, BackwardInput, SavePolicy};
 use crate::backend::{Backend, HostTensor};
 use crate::compile::TraceMode;
 use crate::error::{Error, Result};
-use crate::ir::{
-    BinaryOp, DType, Fingerprint, Graph, InputKind, Literal, NodeId, Op, Shape, TensorType,
-};
+use crate::ir::{BinaryOp, DType, Fingerprint, Graph, InputKind, Literal, NodeId, Op, TensorType};
 use crate::nn::{Init, ParamStore};
 use crate::optim::Optimizer;
-use crate::passes::{dedup_outputs, simplify, OutputSource};
+use crate::passes::simplify;
+use crate::runtime::exec::{Arg, Dest, Plan, PlanBuilder, StepBuilder, VarId};
 use crate::runtime::{ExecutableCache, Runtime, Stats};
-use crate::trace::{trace, var_input, Binding, Tensor, VarKind};
-use std::collections::HashMap;
-use std::rc::Rc;
-use std::sync::Arc;
+use crate::trace::{trace, Binding, Tensor, Traced};
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 /// How a training step is split into executables.
@@ -37,36 +35,35 @@ pub enum TrainMode {
     Fused,
 }
 
-/// Where a stage input comes from / a stage output goes.
-#[derive(Clone, Debug)]
-enum Slot {
-    /// The caller's `i`-th batch tensor (uploaded once per step).
-    Data(usize),
-    /// A resident variable (parameter, buffer, optimizer state, step, lr, rng key, constant).
-    Var(Tensor),
-    /// A per-step device value passed between stages (loss, saved activations, gradients).
-    Temp(usize),
-}
-
-struct Stage<B: Backend> {
-    name: &'static str,
-    exe: Arc<B::Executable>,
-    inputs: Vec<Slot>,
-    /// For each output of the (pre-dedup) stage graph: where the executable delivers it, and
-    /// the slot it fills.
-    outputs: Vec<(OutputSource, Slot)>,
-}
-
+/// The compiled stages of one traced loss, and which temporary holds the loss.
 struct TrainProgram<B: Backend> {
-    stages: Vec<Stage<B>>,
-    num_temps: usize,
+    plan: Plan<B>,
     loss_temp: usize,
 }
 
-type LossFn = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
-type Temps<B> = Vec<Option<Rc<<B as Backend>::Buffer>>>;
+/// A traced loss differentiated w.r.t. the trained parameters, before it is cut into steps.
+struct Differentiated {
+    /// Inputs: the traced graph's (`num_inputs`) ++ the loss cotangent; outputs: the loss, the
+    /// assigned variables' new values (`updates` order), then one gradient per parameter.
+    joint: Graph,
+    num_inputs: usize,
+    loss_dtype: DType,
+    /// What each of the traced graph's inputs is bound to.
+    args: Vec<Arg>,
+    /// The trained parameters: traced input index and variable.
+    params: Vec<(usize, Tensor)>,
+    /// The variables the loss function assigns.
+    updates: Vec<VarId>,
+    /// The traced input holding the random key, if the loss draws random numbers.
+    rng_input: Option<usize>,
+    key_var: VarId,
+}
+
+type LossFn = Box<dyn Fn(&[Tensor]) -> Result<Tensor> + Send>;
 
 /// A compiled training step; see the module docs.
+///
+/// A `TrainStep` is `Send`: it can be built on one thread and driven from another.
 ///
 /// ```no_run
 /// use kiln::backend::xla::XlaBackend;
@@ -93,6 +90,8 @@ type Temps<B> = Vec<Option<Rc<<B as Backend>::Buffer>>>;
 /// ```
 pub struct TrainStep<B: Backend> {
     rt: Runtime<B>,
+    /// The store whose trainable parameters this step trains.
+    store: ParamStore,
     loss_fn: LossFn,
     opt: Box<dyn Optimizer>,
     mode: TrainMode,
@@ -107,22 +106,27 @@ pub struct TrainStep<B: Backend> {
     one_var: Vec<Tensor>,
     lr: f64,
     lr_uploaded: Option<f64>,
-    by_signature: HashMap<Vec<TensorType>, Rc<TrainProgram<B>>>,
-    by_fingerprint: HashMap<Fingerprint, Rc<TrainProgram<B>>>,
+    programs: Vec<TrainProgram<B>>,
+    by_signature: HashMap<Vec<TensorType>, usize>,
+    by_fingerprint: HashMap<Fingerprint, usize>,
     /// The last step's program and its per-step device values (the loss among them).
-    last: Option<(Rc<TrainProgram<B>>, Temps<B>)>,
+    last: Option<(usize, Vec<Option<B::Buffer>>)>,
     steps: u64,
 }
 
 impl<B: Backend> TrainStep<B> {
     /// A training step for the trainable parameters of `store`, minimising the scalar returned
     /// by `loss_fn` (which runs the model in training mode on the batch it is given).
+    ///
+    /// The step updates the parameters of `store` that the loss reads. Parameters of other
+    /// stores the loss reads are constants to it (like a PyTorch optimizer built over one
+    /// model's parameters); buffers the loss assigns (BatchNorm statistics) are updated
+    /// whatever their store.
     pub fn new<O, F>(backend: B, store: &ParamStore, opt: O, loss_fn: F) -> Result<Self>
     where
         O: Optimizer + 'static,
-        F: Fn(&[Tensor]) -> Result<Tensor> + 'static,
+        F: Fn(&[Tensor]) -> Result<Tensor> + Send + 'static,
     {
-        let _ = store;
         let state = ParamStore::new();
         let root = state.root();
         // Float64, so that the step count is exact far beyond 2^24 steps and a float64 model
@@ -133,6 +137,7 @@ impl<B: Backend> TrainStep<B> {
         let key_var = root.buffer("rng_key", &[2], Init::Const(0.0), DType::U32)?;
         Ok(TrainStep {
             rt: Runtime::new(backend),
+            store: store.clone(),
             loss_fn: Box::new(loss_fn),
             opt: Box::new(opt),
             mode: TrainMode::Split,
@@ -146,6 +151,7 @@ impl<B: Backend> TrainStep<B> {
             one_var: Vec::new(),
             lr: 1e-3,
             lr_uploaded: None,
+            programs: Vec::new(),
             by_signature: HashMap::new(),
             by_fingerprint: HashMap::new(),
             last: None,
@@ -201,9 +207,16 @@ impl<B: Backend> TrainStep<B> {
         self.mode
     }
 
+    /// The store whose trainable parameters this step trains.
+    pub fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
     /// Executables run per step (3 split, 1 fused), once compiled.
     pub fn executables_per_step(&self) -> Option<usize> {
-        self.last.as_ref().map(|(p, _)| p.stages.len())
+        self.last
+            .as_ref()
+            .map(|(p, _)| self.programs[*p].plan.steps.len())
     }
 
     /// Steps taken.
@@ -240,10 +253,9 @@ impl<B: Backend> TrainStep<B> {
             .iter()
             .map(|t| self.rt.upload_tensor(t))
             .collect::<Result<_>>()?;
-        let mut temps: Vec<Option<Rc<B::Buffer>>> = vec![None; program.num_temps];
-        for stage in &program.stages {
-            self.run_stage(stage, &data, &mut temps)?;
-        }
+        // The previous step's values are no longer needed: free them before this step runs.
+        self.last = None;
+        let temps = self.rt.run_plan(&self.programs[program].plan, &data)?.temps;
         self.steps += 1;
         self.last = Some((program, temps));
         Ok(())
@@ -255,9 +267,9 @@ impl<B: Backend> TrainStep<B> {
             .last
             .as_ref()
             .ok_or_else(|| Error::Invalid("no step has run yet".into()))?;
-        let buf = temps[p.loss_temp]
+        let buf = temps[self.programs[*p].loss_temp]
             .as_ref()
-            .ok_or_else(|| Error::Invalid("internal: loss not computed".into()))?;
+            .ok_or_else(|| Error::Internal("the step did not compute its loss".into()))?;
         let h = self.rt.download(buf)?;
         Ok(h.to_f64_vec()[0])
     }
@@ -274,88 +286,12 @@ impl<B: Backend> TrainStep<B> {
         self.opt_state.get(&id).map(|v| v.as_slice())
     }
 
-    fn run_stage(
-        &mut self,
-        stage: &Stage<B>,
-        data: &[B::Buffer],
-        temps: &mut [Option<Rc<B::Buffer>>],
-    ) -> Result<()> {
-        for s in &stage.inputs {
-            if let Slot::Var(v) = s {
-                self.rt.ensure_var(v)?;
-            }
-        }
-        let outs = {
-            let mut args: Vec<&B::Buffer> = Vec::with_capacity(stage.inputs.len());
-            for s in &stage.inputs {
-                args.push(match s {
-                    Slot::Data(i) => &data[*i],
-                    Slot::Var(v) => self.rt.var_buffer(v)?,
-                    Slot::Temp(k) => temps[*k].as_deref().ok_or_else(|| {
-                        Error::Invalid(format!("internal: {} reads an unset value", stage.name))
-                    })?,
-                });
-            }
-            self.rt.execute(&stage.exe, &args)?
-        };
-        let mut outs: Vec<Option<B::Buffer>> = outs.into_iter().map(Some).collect();
-        let mut shared: Vec<Option<Rc<B::Buffer>>> = vec![None; outs.len()];
-        for (src, slot) in &stage.outputs {
-            match (*src, slot) {
-                (OutputSource::Output(j), Slot::Temp(k)) => {
-                    if shared[j].is_none() {
-                        shared[j] = outs[j].take().map(Rc::new);
-                    }
-                    temps[*k] = shared[j].clone();
-                }
-                (OutputSource::Output(j), Slot::Var(v)) => {
-                    let buf = match outs[j].take() {
-                        Some(b) => b,
-                        None => {
-                            // The same value also fills another slot: give this one a copy.
-                            let b = shared[j]
-                                .as_deref()
-                                .map(|b| self.rt.download(b))
-                                .transpose()?;
-                            match b {
-                                Some(h) => self.rt.upload(&h)?,
-                                None => {
-                                    return Err(Error::Invalid(
-                                        "internal: output taken twice".into(),
-                                    ))
-                                }
-                            }
-                        }
-                    };
-                    self.rt.replace_var(v, buf)?;
-                }
-                (OutputSource::Input(i), Slot::Temp(k)) => {
-                    temps[*k] = match &stage.inputs[i] {
-                        Slot::Temp(k2) => temps[*k2].clone(),
-                        Slot::Data(d) => {
-                            let h = self.rt.download(&data[*d])?;
-                            Some(Rc::new(self.rt.upload(&h)?))
-                        }
-                        Slot::Var(v) => {
-                            let h = self.rt.download(self.rt.var_buffer(v)?)?;
-                            Some(Rc::new(self.rt.upload(&h)?))
-                        }
-                    };
-                }
-                // A variable "updated" to its own value: nothing to do.
-                (OutputSource::Input(_), Slot::Var(_)) => {}
-                (_, Slot::Data(_)) => {
-                    return Err(Error::Invalid("internal: output to a data slot".into()))
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn program(&mut self, signature: &[TensorType]) -> Result<Rc<TrainProgram<B>>> {
+    /// The program for `signature` (an index into `programs`): prepared before, or traced,
+    /// differentiated and compiled now.
+    fn program(&mut self, signature: &[TensorType]) -> Result<usize> {
         if self.trace_mode == TraceMode::Once {
-            if let Some(p) = self.by_signature.get(signature) {
-                return Ok(p.clone());
+            if let Some(&p) = self.by_signature.get(signature) {
+                return Ok(p);
             }
         }
         let t0 = Instant::now();
@@ -377,19 +313,22 @@ impl<B: Backend> TrainStep<B> {
                 h.update(&t.variable().map(|v| v.id).unwrap_or(0).to_le_bytes());
             }
         }
+        for (var, _) in &traced.state_updates {
+            h.update(&var.variable().map(|v| v.id).unwrap_or(0).to_le_bytes());
+        }
         h.update(&[self.mode as u8]);
         let fp = Fingerprint(*h.finalize().as_bytes());
         self.rt.metrics().traced(t0.elapsed());
-        if let Some(p) = self.by_fingerprint.get(&fp) {
-            let p = p.clone();
-            self.by_signature.insert(signature.to_vec(), p.clone());
+        if let Some(&p) = self.by_fingerprint.get(&fp) {
+            self.by_signature.insert(signature.to_vec(), p);
             return Ok(p);
         }
-        let program = Rc::new(self.build(traced)?);
-        self.by_fingerprint.insert(fp, program.clone());
-        self.by_signature
-            .insert(signature.to_vec(), program.clone());
-        Ok(program)
+        let program = self.build(traced)?;
+        self.programs.push(program);
+        let p = self.programs.len() - 1;
+        self.by_fingerprint.insert(fp, p);
+        self.by_signature.insert(signature.to_vec(), p);
+        Ok(p)
     }
 
     /// Optimizer state variables for a parameter, created on first use (zeros).
@@ -397,7 +336,7 @@ impl<B: Backend> TrainStep<B> {
         let info = param
             .variable()
             .cloned()
-            .ok_or_else(|| Error::Invalid("internal: parameter without variable".into()))?;
+            .ok_or_else(|| Error::Internal("a trained parameter is not a variable".into()))?;
         if let Some(s) = self.opt_state.get(&info.id) {
             return Ok(s.clone());
         }
@@ -430,31 +369,65 @@ impl<B: Backend> TrainStep<B> {
         Ok(o)
     }
 
-    fn build(&mut self, traced: crate::trace::Traced) -> Result<TrainProgram<B>> {
-        let crate::trace::Traced {
+    /// Differentiates a traced loss and compiles its stages.
+    ///
+    /// The traced graph's outputs are the loss and then the new values of the variables the
+    /// loss function assigned (`state_updates`). Fused: one step computes all of them, the
+    /// gradients and the optimizer update. Split: the forward step computes them plus the
+    /// values saved for the backward step, which computes the gradients the optimizer step
+    /// consumes.
+    fn build(&mut self, traced: Traced) -> Result<TrainProgram<B>> {
+        let loss = self.differentiate(traced)?;
+        let mut plan = PlanBuilder::new();
+        let loss_temp = plan.temp();
+        match self.mode {
+            TrainMode::Fused => self.fused(loss, &mut plan, loss_temp)?,
+            TrainMode::Split => self.split(loss, &mut plan, loss_temp)?,
+        }
+        Ok(TrainProgram {
+            plan: plan.finish()?,
+            loss_temp,
+        })
+    }
+
+    /// The joint graph of a traced loss, with what its inputs and outputs are bound to.
+    fn differentiate(&mut self, traced: Traced) -> Result<Differentiated> {
+        let Traced {
             graph,
             bindings,
             num_outputs,
             state_updates,
         } = traced;
-        let loss_dtype = graph.node(graph.outputs()[0]).ty.dtype;
-        let n_in = graph.inputs().len();
-        let n_out = graph.outputs().len();
-        let _ = num_outputs;
-        // Input slots of the traced graph.
-        let in_slots: Vec<Slot> = bindings
+        if num_outputs != 1 || graph.outputs().len() != 1 + state_updates.len() {
+            return Err(Error::Internal(format!(
+                "a traced loss has {num_outputs} outputs and {} state updates in {} graph outputs",
+                state_updates.len(),
+                graph.outputs().len()
+            )));
+        }
+        let key_var = self.rt.register(&self.key_var)?;
+        let args: Vec<Arg> = bindings
             .iter()
-            .map(|b| match b {
-                Binding::Data(i) => Slot::Data(*i),
-                Binding::Var(t) => Slot::Var(t.clone()),
-                Binding::RngKey => Slot::Var(self.key_var.clone()),
+            .map(|b| {
+                Ok(match b {
+                    Binding::Data(i) => Arg::Data(*i),
+                    Binding::Var(t) => Arg::Var(self.rt.register(t)?),
+                    Binding::RngKey => Arg::Var(key_var),
+                })
             })
+            .collect::<Result<_>>()?;
+        // The parameters trained: those of the step's store that the loss reads.
+        let trainable: HashSet<u64> = self
+            .store
+            .trainable()
+            .iter()
+            .filter_map(|t| t.variable().map(|v| v.id))
             .collect();
         let params: Vec<(usize, Tensor)> = bindings
             .iter()
             .enumerate()
             .filter_map(|(i, b)| match b {
-                Binding::Var(t) if t.variable().map(|v| v.kind) == Some(VarKind::Parameter) => {
+                Binding::Var(t) if t.variable().is_some_and(|v| trainable.contains(&v.id)) => {
                     Some((i, t.clone()))
                 }
                 _ => None,
@@ -462,274 +435,185 @@ impl<B: Backend> TrainStep<B> {
             .collect();
         if params.is_empty() {
             return Err(Error::Invalid(
-                "the loss does not depend on any trainable parameter".into(),
+                "the loss does not depend on any trainable parameter of the step's store".into(),
             ));
         }
-        let wrt: Vec<usize> = params.iter().map(|p| p.0).collect();
-        let joint_graph = joint(&graph, 0, &wrt)?;
-        // Output slots of the traced graph: loss, then variable updates.
-        let mut temps = 0usize;
-        let mut new_temp = || {
-            temps += 1;
-            temps - 1
-        };
-        let loss_temp = new_temp();
-        let mut out_slots: Vec<Slot> = vec![Slot::Temp(loss_temp)];
+        // Variables the loss function assigns; a trained parameter is the optimizer's alone.
+        let mut updates: Vec<VarId> = Vec::with_capacity(state_updates.len());
         for (var, _) in &state_updates {
-            out_slots.push(Slot::Var(var.clone()));
-        }
-        debug_assert_eq!(out_slots.len(), n_out);
-        let rng_input = bindings.iter().position(|b| matches!(b, Binding::RngKey));
-        let mut stages = Vec::new();
-        match self.mode {
-            TrainMode::Fused => {
-                let mut g = joint_graph;
-                // The cotangent of the loss is 1: a constant, not an input.
-                let cot = g.inputs()[n_in].node;
-                let one = g.add(Op::Constant(Literal::scalar(loss_dtype, 1.0)), &[])?;
-                g.replace_uses(cot, one)?;
-                g.retain_inputs(|i, _| i != n_in)?;
-                let grads: Vec<NodeId> = g.outputs()[n_out..].to_vec();
-                let mut outputs: Vec<NodeId> = g.outputs()[..n_out].to_vec();
-                let mut inputs = in_slots.clone();
-                let mut slots = out_slots.clone();
-                let mut aliases = Vec::new();
-                for (k, (var, _)) in state_updates.iter().enumerate() {
-                    if let Some(i) = var_input(&bindings, var) {
-                        aliases.push((i, 1 + k));
-                    }
-                }
-                let param_nodes: Vec<(NodeId, Tensor)> = params
-                    .iter()
-                    .map(|(i, t)| (g.inputs()[*i].node, t.clone()))
-                    .collect();
-                self.add_updates(
-                    &mut g,
-                    &param_nodes,
-                    &grads,
-                    &mut inputs,
-                    &mut outputs,
-                    &mut slots,
-                    &mut aliases,
-                )?;
-                if let Some(ri) = rng_input {
-                    advance_key(
-                        &mut g,
-                        ri,
-                        &mut outputs,
-                        &mut slots,
-                        &mut aliases,
-                        &self.key_var,
-                    )?;
-                }
-                stages.push(self.stage("fused", g, inputs, outputs, slots, aliases)?);
+            let id = self.rt.register(var)?;
+            if trainable.contains(&id) {
+                return Err(Error::Invalid(format!(
+                    "the loss function assigns {var:?}, a parameter the optimizer updates"
+                )));
             }
-            TrainMode::Split => {
-                let split = partition(&joint_graph, n_in, n_out, self.policy)?;
-                // Forward: original outputs, then saved values.
-                let mut fwd = split.forward;
-                let mut f_outputs: Vec<NodeId> = fwd.outputs().to_vec();
-                let mut f_slots = out_slots.clone();
-                let saved_base = temps;
-                for _ in 0..split.num_saved {
-                    f_slots.push(Slot::Temp(saved_base + f_slots.len() - out_slots.len()));
-                }
-                temps += split.num_saved;
-                // Inputs the backward graph reads directly must survive the forward stage:
-                // never donate them there.
-                let kept_alive: Vec<usize> = split
-                    .backward_inputs
-                    .iter()
-                    .filter_map(|b| match b {
-                        BackwardInput::ForwardInput(i) => Some(*i),
-                        _ => None,
-                    })
-                    .collect();
-                let mut f_aliases = Vec::new();
-                for (k, (var, _)) in state_updates.iter().enumerate() {
-                    if let Some(i) = var_input(&bindings, var).filter(|i| !kept_alive.contains(i)) {
-                        f_aliases.push((i, 1 + k));
-                    }
-                }
-                if let Some(ri) = rng_input.filter(|i| !kept_alive.contains(i)) {
-                    advance_key(
-                        &mut fwd,
-                        ri,
-                        &mut f_outputs,
-                        &mut f_slots,
-                        &mut f_aliases,
-                        &self.key_var,
-                    )?;
-                } else if let Some(ri) = rng_input {
-                    let mut no_alias = Vec::new();
-                    advance_key(
-                        &mut fwd,
-                        ri,
-                        &mut f_outputs,
-                        &mut f_slots,
-                        &mut no_alias,
-                        &self.key_var,
-                    )?;
-                }
-                let forward_slots = f_slots.clone();
-                stages.push(self.stage(
-                    "forward",
-                    fwd,
-                    in_slots.clone(),
-                    f_outputs,
-                    f_slots,
-                    f_aliases,
-                )?);
-                // Backward: saved values, forward inputs, the cotangent -> gradients.
-                let one = self.one(loss_dtype)?;
-                let b_inputs: Vec<Slot> = split
-                    .backward_inputs
-                    .iter()
-                    .map(|bi| match bi {
-                        // An index into all forward outputs (user outputs, then saved values).
-                        BackwardInput::Saved(k) => forward_slots[*k].clone(),
-                        BackwardInput::ForwardInput(i) => in_slots[*i].clone(),
-                        BackwardInput::Cotangent(_) => Slot::Var(one.clone()),
-                    })
-                    .collect();
-                let grad_base = temps;
-                temps += params.len();
-                let b_outputs = split.backward.outputs().to_vec();
-                let b_slots: Vec<Slot> = (0..params.len())
-                    .map(|p| Slot::Temp(grad_base + p))
-                    .collect();
-                stages.push(self.stage(
-                    "backward",
-                    split.backward,
-                    b_inputs,
-                    b_outputs,
-                    b_slots,
-                    vec![],
-                )?);
-                // Optimizer: params, grads, states, lr, step -> new params, states, step.
-                let mut g = Graph::new();
-                let mut inputs = Vec::new();
-                let mut grads = Vec::new();
-                let mut opt_params = Vec::new();
-                for (p, (_, t)) in params.iter().enumerate() {
-                    let n = g.add_input(InputKind::Parameter, name_of(t), t.ty().clone());
-                    inputs.push(Slot::Var(t.clone()));
-                    opt_params.push((n, t.clone()));
-                    let gn = g.add_input(
-                        InputKind::Saved,
-                        format!("grad.{}", name_of(t)),
-                        t.ty().clone(),
-                    );
-                    inputs.push(Slot::Temp(grad_base + p));
-                    grads.push(gn);
-                }
-                let mut outputs = Vec::new();
-                let mut slots = Vec::new();
-                let mut aliases = Vec::new();
-                self.add_updates(
-                    &mut g,
-                    &opt_params,
-                    &grads,
-                    &mut inputs,
-                    &mut outputs,
-                    &mut slots,
-                    &mut aliases,
-                )?;
-                stages.push(self.stage("optimizer", g, inputs, outputs, slots, aliases)?);
-            }
+            updates.push(id);
         }
-        Ok(TrainProgram {
-            stages,
-            num_temps: temps,
-            loss_temp,
+        let wrt: Vec<usize> = params.iter().map(|p| p.0).collect();
+        Ok(Differentiated {
+            joint: joint(&graph, 0, &wrt)?,
+            num_inputs: graph.inputs().len(),
+            loss_dtype: graph.node(graph.outputs()[0]).ty.dtype,
+            rng_input: bindings.iter().position(|b| matches!(b, Binding::RngKey)),
+            key_var,
+            args,
+            params,
+            updates,
         })
     }
 
-    /// Adds the optimizer update of every parameter (`params`: its node in `g` and its
-    /// variable) to `g`, with the step count and learning rate as resident inputs.
-    #[allow(clippy::too_many_arguments)]
-    fn add_updates(
+    /// One step: forward, backward and update.
+    fn fused(
         &mut self,
-        g: &mut Graph,
-        params: &[(NodeId, Tensor)],
-        grads: &[NodeId],
-        inputs: &mut Vec<Slot>,
-        outputs: &mut Vec<NodeId>,
-        slots: &mut Vec<Slot>,
-        aliases: &mut Vec<(usize, usize)>,
+        d: Differentiated,
+        plan: &mut PlanBuilder<B>,
+        loss_temp: usize,
     ) -> Result<()> {
-        let scalar = TensorType::scalar(DType::F64);
-        let lr = g.add_input(InputKind::Scalar, "lr", scalar.clone());
-        inputs.push(Slot::Var(self.lr_var.clone()));
-        let step_in = g.add_input(InputKind::OptimizerState, "step", scalar);
-        let step_idx = inputs.len();
-        inputs.push(Slot::Var(self.step_var.clone()));
-        let one = g.add(Op::Constant(Literal::scalar(DType::F64, 1.0)), &[])?;
-        let step = g.add(Op::Binary(BinaryOp::Add), &[step_in, one])?;
-        aliases.push((step_idx, outputs.len()));
-        outputs.push(step);
-        slots.push(Slot::Var(self.step_var.clone()));
-        for ((pn, pt), &gn) in params.iter().zip(grads) {
-            let state = self.state_for(pt)?;
-            let mut state_nodes = Vec::new();
-            let mut state_idx = Vec::new();
-            for s in &state {
-                state_idx.push(inputs.len());
-                state_nodes.push(g.add_input(
-                    InputKind::OptimizerState,
-                    name_of(s),
-                    s.ty().clone(),
-                ));
-                inputs.push(Slot::Var(s.clone()));
-            }
-            let (new_p, new_s) = self.opt.update(g, *pn, gn, &state_nodes, lr, step)?;
-            if let Op::Input(i) = g.node(*pn).op {
-                aliases.push((i, outputs.len()));
-            }
-            outputs.push(new_p);
-            slots.push(Slot::Var(pt.clone()));
-            for ((ns, s), si) in new_s.into_iter().zip(&state).zip(state_idx) {
-                aliases.push((si, outputs.len()));
-                outputs.push(ns);
-                slots.push(Slot::Var(s.clone()));
-            }
+        let n_in = d.num_inputs;
+        let mut g = d.joint;
+        // The cotangent of the loss is 1: a constant, not an input.
+        let cot = g.inputs()[n_in].node;
+        let one = g.add(Op::Constant(Literal::scalar(d.loss_dtype, 1.0)), &[])?;
+        g.replace_uses(cot, one)?;
+        g.retain_inputs(|i, _| i != n_in)?;
+        let outs: Vec<NodeId> = g.outputs().to_vec();
+        let mut s = StepBuilder::new("fused", g, d.args)?;
+        s.output(outs[0], Dest::Temp(loss_temp));
+        for (k, &var) in d.updates.iter().enumerate() {
+            s.update(outs[1 + k], var)?;
         }
+        let params: Vec<(NodeId, Tensor)> = d
+            .params
+            .iter()
+            .map(|(i, t)| (s.input_node(*i), t.clone()))
+            .collect();
+        self.add_updates(&mut s, &params, &outs[1 + d.updates.len()..])?;
+        if let Some(ri) = d.rng_input {
+            advance_key(&mut s, ri, d.key_var)?;
+        }
+        plan.push(s.finish(&self.rt)?);
         Ok(())
     }
 
-    /// Finishes a stage graph: outputs, donation aliases, simplification, dedup, the backend's
-    /// rewrite, compile.
-    fn stage(
-        &self,
-        name: &'static str,
-        mut g: Graph,
-        inputs: Vec<Slot>,
-        outputs: Vec<NodeId>,
-        slots: Vec<Slot>,
-        aliases: Vec<(usize, usize)>,
-    ) -> Result<Stage<B>> {
-        g.set_outputs(outputs)?;
-        for (i, o) in aliases {
-            // Only donate what the stage really replaces (types must match; each once).
-            let _ = g.add_alias(i, o);
+    /// Three steps, as AOTAutograd partitions: forward, backward, optimizer.
+    fn split(
+        &mut self,
+        d: Differentiated,
+        plan: &mut PlanBuilder<B>,
+        loss_temp: usize,
+    ) -> Result<()> {
+        let n_out = 1 + d.updates.len();
+        let split = partition(&d.joint, d.num_inputs, n_out, self.policy)?;
+        // Forward: the loss, the assigned variables' new values, the saved values.
+        let f_outs: Vec<NodeId> = split.forward.outputs().to_vec();
+        let mut fwd = StepBuilder::new("forward", split.forward, d.args.clone())?;
+        fwd.output(f_outs[0], Dest::Temp(loss_temp));
+        let mut forward_value: Vec<Arg> = vec![Arg::Temp(loss_temp)];
+        for (k, &var) in d.updates.iter().enumerate() {
+            fwd.update(f_outs[1 + k], var)?;
+            forward_value.push(Arg::Var(var));
         }
-        simplify(&mut g)?;
-        let map = dedup_outputs(&mut g)?;
-        self.rt.backend().rewrite(&mut g)?;
-        g.verify()?;
-        let fp = g.fingerprint();
-        let exe = self.rt.executable(&g, fp)?;
-        if inputs.len() != g.inputs().len() || map.len() != slots.len() {
-            return Err(Error::Invalid(format!(
-                "internal: {name} stage slots do not match its graph"
-            )));
+        for &node in &f_outs[n_out..] {
+            let t = plan.temp();
+            fwd.output(node, Dest::Temp(t));
+            forward_value.push(Arg::Temp(t));
         }
-        Ok(Stage {
-            name,
-            exe,
-            inputs,
-            outputs: map.into_iter().zip(slots).collect(),
-        })
+        if let Some(ri) = d.rng_input {
+            advance_key(&mut fwd, ri, d.key_var)?;
+        }
+        // Backward: saved values, forward inputs, the cotangent -> gradients.
+        let one = self.one(d.loss_dtype)?;
+        let one = Arg::Var(self.rt.register(&one)?);
+        let mut b_args = Vec::with_capacity(split.backward_inputs.len());
+        for bi in &split.backward_inputs {
+            b_args.push(match *bi {
+                BackwardInput::Saved(k) => forward_value[k],
+                // A variable the forward step replaces: the backward step needs the value the
+                // forward step read, so the forward step hands on a copy.
+                BackwardInput::ForwardInput(i) => match d.args[i] {
+                    Arg::Var(v) if fwd.updated().contains(&v) => {
+                        let t = plan.temp();
+                        let node = fwd.input_node(i);
+                        fwd.output(node, Dest::Temp(t));
+                        Arg::Temp(t)
+                    }
+                    a => a,
+                },
+                BackwardInput::Cotangent(_) => one,
+            });
+        }
+        plan.push(fwd.finish(&self.rt)?);
+        let grads: Vec<usize> = d.params.iter().map(|_| plan.temp()).collect();
+        let b_outs: Vec<NodeId> = split.backward.outputs().to_vec();
+        let mut bwd = StepBuilder::new("backward", split.backward, b_args)?;
+        for (&node, &t) in b_outs.iter().zip(&grads) {
+            bwd.output(node, Dest::Temp(t));
+        }
+        plan.push(bwd.finish(&self.rt)?);
+        // Optimizer: params, grads, states, lr, step -> new params, states, step.
+        let mut s = StepBuilder::new("optimizer", Graph::new(), Vec::new())?;
+        let mut params = Vec::with_capacity(d.params.len());
+        let mut grad_nodes = Vec::with_capacity(d.params.len());
+        for ((_, t), &g) in d.params.iter().zip(&grads) {
+            let id = self.rt.register(t)?;
+            let ty = t.ty().clone();
+            let pn = s.input(InputKind::Parameter, name_of(t), ty.clone(), Arg::Var(id));
+            let gn = s.input(
+                InputKind::Saved,
+                format!("grad.{}", name_of(t)),
+                ty,
+                Arg::Temp(g),
+            );
+            params.push((pn, t.clone()));
+            grad_nodes.push(gn);
+        }
+        self.add_updates(&mut s, &params, &grad_nodes)?;
+        plan.push(s.finish(&self.rt)?);
+        Ok(())
+    }
+
+    /// Adds the optimizer update of every parameter (`params`: its node in the step's graph
+    /// and its variable, `grads`: its gradient's node) to `s`, with the step count and learning
+    /// rate as resident inputs.
+    fn add_updates(
+        &mut self,
+        s: &mut StepBuilder,
+        params: &[(NodeId, Tensor)],
+        grads: &[NodeId],
+    ) -> Result<()> {
+        let scalar = TensorType::scalar(DType::F64);
+        let lr_id = self.rt.register(&self.lr_var)?;
+        let step_id = self.rt.register(&self.step_var)?;
+        let lr = s.input(InputKind::Scalar, "lr", scalar.clone(), Arg::Var(lr_id));
+        let step_in = s.input(InputKind::OptimizerState, "step", scalar, Arg::Var(step_id));
+        let one = s
+            .graph()
+            .add(Op::Constant(Literal::scalar(DType::F64, 1.0)), &[])?;
+        let step = s.graph().add(Op::Binary(BinaryOp::Add), &[step_in, one])?;
+        s.update(step, step_id)?;
+        for ((pn, pt), &gn) in params.iter().zip(grads) {
+            let state = self.state_for(pt)?;
+            let mut state_nodes = Vec::with_capacity(state.len());
+            let mut state_ids = Vec::with_capacity(state.len());
+            for st in &state {
+                let id = self.rt.register(st)?;
+                state_nodes.push(s.input(
+                    InputKind::OptimizerState,
+                    name_of(st),
+                    st.ty().clone(),
+                    Arg::Var(id),
+                ));
+                state_ids.push(id);
+            }
+            let (new_p, new_s) = self
+                .opt
+                .update(s.graph(), *pn, gn, &state_nodes, lr, step)?;
+            s.update(new_p, self.rt.register(pt)?)?;
+            for (ns, id) in new_s.into_iter().zip(state_ids) {
+                s.update(ns, id)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -737,16 +621,10 @@ fn name_of(t: &Tensor) -> String {
     t.variable().map(|v| v.name.clone()).unwrap_or_default()
 }
 
-/// Adds `key' = [key[0], key[1] + 1]` as an output updating the rng key variable in place.
-fn advance_key(
-    g: &mut Graph,
-    key_input: usize,
-    outputs: &mut Vec<NodeId>,
-    slots: &mut Vec<Slot>,
-    aliases: &mut Vec<(usize, usize)>,
-    key_var: &Tensor,
-) -> Result<()> {
-    let key = g.inputs()[key_input].node;
+/// Adds `key' = [key[0], key[1] + 1]` as the new value of the rng key variable (`key_input`:
+/// the step's input bound to it).
+fn advance_key(s: &mut StepBuilder, key_input: usize, key_var: VarId) -> Result<()> {
+    let key = s.input_node(key_input);
     let inc = Literal::from_bytes(
         TensorType::new(DType::U32, [2]),
         [0u32, 1u32]
@@ -754,13 +632,9 @@ fn advance_key(
             .flat_map(|v| v.to_le_bytes())
             .collect::<Vec<u8>>(),
     )?;
-    let inc = g.add(Op::Constant(inc), &[])?;
-    let next = g.add(Op::Binary(BinaryOp::Add), &[key, inc])?;
-    let _ = Shape::scalar();
-    aliases.push((key_input, outputs.len()));
-    outputs.push(next);
-    slots.push(Slot::Var(key_var.clone()));
-    Ok(())
+    let inc = s.graph().add(Op::Constant(inc), &[])?;
+    let next = s.graph().add(Op::Binary(BinaryOp::Add), &[key, inc])?;
+    s.update(next, key_var)
 }
 
 /// The eager baseline of a training step: libtorch autograd and the optimizer's eager update.
@@ -778,7 +652,7 @@ impl EagerTrainStep {
     pub fn new<O, F>(store: &ParamStore, opt: O, loss_fn: F) -> Result<Self>
     where
         O: Optimizer + 'static,
-        F: Fn(&[Tensor]) -> Result<Tensor> + 'static,
+        F: Fn(&[Tensor]) -> Result<Tensor> + Send + 'static,
     {
         let params = store.trainable();
         let mut state = Vec::new();

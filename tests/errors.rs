@@ -334,3 +334,36 @@ fn impossible_reshapes_and_bad_dims_are_errors() {
     assert!(x.dropout(1.5, true).is_err());
     assert!(Tensor::scalar(1.0, DType::F32).unwrap().matmul(&x).is_err());
 }
+
+/// A libtorch failure inside the eager interpreter keeps its variant (`Torch`) under a layer
+/// that names the op, and `root` reaches it.
+#[test]
+fn an_eager_op_failure_names_the_op_and_keeps_the_torch_error() {
+    let mut g = Graph::new();
+    let x = g.add_input(InputKind::Data, "x", f32t(&[2, 3]));
+    let y = g
+        .add(Op::Reshape(kiln::ir::Shape::from(vec![6])), &[x])
+        .unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    let be = EagerBackend::new();
+    let exe = be.compile(&g).unwrap();
+    // `run_tch` takes raw tch tensors (no buffer type check): a wrong size fails in libtorch.
+    let bad = tch::Tensor::zeros([5], (tch::Kind::Float, tch::Device::Cpu));
+    let err = be.run_tch(&exe, &[&bad]).unwrap_err();
+    match &err {
+        Error::AtOp { op, source, .. } => {
+            assert_eq!(op, "reshape");
+            assert!(matches!(**source, Error::Torch(_)), "{source:?}");
+        }
+        other => panic!("expected AtOp, got {other:?}"),
+    }
+    assert!(matches!(err.root(), Error::Torch(_)));
+    assert!(err.to_string().contains("reshape"), "{err}");
+}
+
+/// A broken invariant is reported as such, never as a caller error.
+#[test]
+fn internal_errors_say_they_are_bugs() {
+    let e = Error::Internal("an output was routed twice".into());
+    assert!(e.to_string().contains("kiln bug"), "{e}");
+}

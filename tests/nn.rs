@@ -9,8 +9,8 @@ use kiln::nn::{
     ParamStore, TransformerEncoderLayer,
 };
 use kiln::{compile, DType, Result, Tensor};
-use std::rc::Rc;
 use std::sync::OnceLock;
+use std::sync::{Arc, Mutex};
 
 fn xla() -> XlaBackend {
     static B: OnceLock<XlaBackend> = OnceLock::new();
@@ -30,7 +30,7 @@ fn close(what: &str, a: &Tensor, b: &Tensor, atol: f64, rtol: f64) {
     }
 }
 
-type F = Rc<dyn Fn(&[Tensor]) -> Result<Tensor>>;
+type F = Arc<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>;
 
 /// Runs `f` eagerly (fast path), traced on the eager interpreter and traced on XLA; checks the
 /// three agree. Returns the eager result.
@@ -92,7 +92,7 @@ fn conv2d_variants() {
     for (i, (name, w, s, p, d, g, bias)) in cases.into_iter().enumerate() {
         let wt = randn(&w, 10 + i as u64);
         let b = randn(&[w[0]], 20 + i as u64);
-        let f: F = Rc::new(move |xs| xs[0].conv2d(&xs[1], bias.then_some(&xs[2]), s, p, d, g));
+        let f: F = Arc::new(move |xs| xs[0].conv2d(&xs[1], bias.then_some(&xs[2]), s, p, d, g));
         check(&format!("conv2d {name}"), f, &[x.clone(), wt, b]);
     }
 }
@@ -122,7 +122,7 @@ fn max_pool2d_including_ceil_mode() {
     ];
     for (i, (n, k, s, p, ceil)) in cases.into_iter().enumerate() {
         let x = randn(&[2, 3, n, n + 1], 30 + i as u64);
-        let f: F = Rc::new(move |xs| xs[0].max_pool2d([k, k], [s, s], [p, p], ceil));
+        let f: F = Arc::new(move |xs| xs[0].max_pool2d([k, k], [s, s], [p, p], ceil));
         check(
             &format!("max_pool2d {n} k{k} s{s} p{p} ceil {ceil}"),
             f,
@@ -145,7 +145,7 @@ fn avg_pool2d_padding_and_ceil_mode() {
     {
         for include in [true, false] {
             let x = randn(&[2, 3, n, n + 2], 40 + i as u64);
-            let f: F = Rc::new(move |xs| xs[0].avg_pool2d([k, k], [s, s], [p, p], ceil, include));
+            let f: F = Arc::new(move |xs| xs[0].avg_pool2d([k, k], [s, s], [p, p], ceil, include));
             check(
                 &format!("avg_pool2d {n} k{k} s{s} p{p} ceil {ceil} include_pad {include}"),
                 f,
@@ -170,7 +170,7 @@ fn adaptive_avg_pool2d_any_size() {
     .enumerate()
     {
         let x = randn(&[2, 3, h, w], 50 + i as u64);
-        let f: F = Rc::new(move |xs| xs[0].adaptive_avg_pool2d([oh, ow]));
+        let f: F = Arc::new(move |xs| xs[0].adaptive_avg_pool2d([oh, ow]));
         check(
             &format!("adaptive_avg_pool2d {h}x{w} -> {oh}x{ow}"),
             f,
@@ -186,7 +186,7 @@ fn batch_norm_and_layer_norm_eval() {
     let rv = randn(&[4], 62).abs().unwrap().add_scalar(0.5).unwrap();
     let w = randn(&[4], 63);
     let b = randn(&[4], 64);
-    let f: F = Rc::new(|xs| {
+    let f: F = Arc::new(|xs| {
         xs[0].batch_norm(
             Some(&xs[1]),
             Some(&xs[2]),
@@ -199,17 +199,17 @@ fn batch_norm_and_layer_norm_eval() {
     });
     check("batch_norm eval", f, &[x.clone(), rm, rv, w, b]);
     // Training-mode normalisation without running statistics (pure function of the batch).
-    let f: F = Rc::new(|xs| xs[0].batch_norm(None, None, Some(&xs[1]), None, true, 0.1, 1e-5));
+    let f: F = Arc::new(|xs| xs[0].batch_norm(None, None, Some(&xs[1]), None, true, 0.1, 1e-5));
     check("batch_norm train", f, &[x, randn(&[4], 65)]);
 
     let x = randn(&[2, 5, 16], 66);
-    let f: F = Rc::new(|xs| xs[0].layer_norm(&[16], Some(&xs[1]), Some(&xs[2]), 1e-5));
+    let f: F = Arc::new(|xs| xs[0].layer_norm(&[16], Some(&xs[1]), Some(&xs[2]), 1e-5));
     check(
         "layer_norm",
         f,
         &[x.clone(), randn(&[16], 67), randn(&[16], 68)],
     );
-    let f: F = Rc::new(|xs| xs[0].layer_norm(&[5, 16], None, None, 1e-6));
+    let f: F = Arc::new(|xs| xs[0].layer_norm(&[5, 16], None, None, 1e-6));
     check("layer_norm 2 dims no affine", f, &[x]);
 }
 
@@ -223,13 +223,13 @@ fn batch_norm_module_training_updates_running_stats() {
     let eager_store = ParamStore::with_seed(1);
     let bn_e = BatchNorm2d::new(&eager_store.root().sub("bn"), 3).unwrap();
     let xla_store = ParamStore::with_seed(1);
-    let bn_x = Rc::new(BatchNorm2d::new(&xla_store.root().sub("bn"), 3).unwrap());
+    let bn_x = BatchNorm2d::new(&xla_store.root().sub("bn"), 3).unwrap();
 
     let mut ye = None;
     for _ in 0..2 {
         ye = Some(tch::no_grad(|| bn_e.forward_t(&x, true)).unwrap());
     }
-    let m = bn_x.clone();
+    let m = bn_x;
     let mut f = compile(xla(), move |xs: &[Tensor]| {
         Ok(vec![m.forward_t(&xs[0], true)?])
     });
@@ -256,23 +256,23 @@ fn batch_norm_module_training_updates_running_stats() {
 fn activations() {
     let x = randn(&[3, 7, 5], 80).mul_scalar(4.0).unwrap();
     let acts: Vec<(&str, F)> = vec![
-        ("gelu", Rc::new(|xs: &[Tensor]| xs[0].gelu(false))),
-        ("gelu tanh", Rc::new(|xs: &[Tensor]| xs[0].gelu(true))),
-        ("silu", Rc::new(|xs: &[Tensor]| xs[0].silu())),
-        ("hardswish", Rc::new(|xs: &[Tensor]| xs[0].hardswish())),
-        ("hardsigmoid", Rc::new(|xs: &[Tensor]| xs[0].hardsigmoid())),
-        ("relu6", Rc::new(|xs: &[Tensor]| xs[0].relu6())),
+        ("gelu", Arc::new(|xs: &[Tensor]| xs[0].gelu(false))),
+        ("gelu tanh", Arc::new(|xs: &[Tensor]| xs[0].gelu(true))),
+        ("silu", Arc::new(|xs: &[Tensor]| xs[0].silu())),
+        ("hardswish", Arc::new(|xs: &[Tensor]| xs[0].hardswish())),
+        ("hardsigmoid", Arc::new(|xs: &[Tensor]| xs[0].hardsigmoid())),
+        ("relu6", Arc::new(|xs: &[Tensor]| xs[0].relu6())),
         (
             "leaky_relu",
-            Rc::new(|xs: &[Tensor]| xs[0].leaky_relu(0.01)),
+            Arc::new(|xs: &[Tensor]| xs[0].leaky_relu(0.01)),
         ),
         (
             "leaky_relu 0.2",
-            Rc::new(|xs: &[Tensor]| xs[0].leaky_relu(0.2)),
+            Arc::new(|xs: &[Tensor]| xs[0].leaky_relu(0.2)),
         ),
-        ("relu", Rc::new(|xs: &[Tensor]| xs[0].relu())),
-        ("sigmoid", Rc::new(|xs: &[Tensor]| xs[0].sigmoid())),
-        ("tanh", Rc::new(|xs: &[Tensor]| xs[0].tanh())),
+        ("relu", Arc::new(|xs: &[Tensor]| xs[0].relu())),
+        ("sigmoid", Arc::new(|xs: &[Tensor]| xs[0].sigmoid())),
+        ("tanh", Arc::new(|xs: &[Tensor]| xs[0].tanh())),
     ];
     for (name, f) in acts {
         check(name, f, std::slice::from_ref(&x));
@@ -283,22 +283,22 @@ fn activations() {
 fn embedding_and_losses() {
     let w = randn(&[11, 4], 90);
     let ids = Tensor::randint(&[3, 5], 11, 91).unwrap();
-    let f: F = Rc::new(|xs| Tensor::embedding(&xs[0], &xs[1]));
+    let f: F = Arc::new(|xs| Tensor::embedding(&xs[0], &xs[1]));
     let e = check("embedding", f, &[w, ids]);
     assert_eq!(e.dims(), &[3, 5, 4]);
 
     let logits = randn(&[6, 10], 92).mul_scalar(5.0).unwrap();
     let targets = Tensor::randint(&[6], 10, 93).unwrap();
-    let f: F = Rc::new(|xs| xs[0].cross_entropy(&xs[1]));
+    let f: F = Arc::new(|xs| xs[0].cross_entropy(&xs[1]));
     check("cross_entropy", f, &[logits, targets]);
     // Large logits: the stable form must not overflow.
     let big = randn(&[4, 3], 94).mul_scalar(1000.0).unwrap();
     let t = Tensor::randint(&[4], 3, 95).unwrap();
-    let f: F = Rc::new(|xs| xs[0].cross_entropy(&xs[1]));
+    let f: F = Arc::new(|xs| xs[0].cross_entropy(&xs[1]));
     let l = check("cross_entropy large logits", f, &[big, t]);
     assert!(l.to_scalar().unwrap().is_finite());
 
-    let f: F = Rc::new(|xs| xs[0].mse_loss(&xs[1]));
+    let f: F = Arc::new(|xs| xs[0].mse_loss(&xs[1]));
     check("mse_loss", f, &[randn(&[3, 4], 96), randn(&[3, 4], 97)]);
 }
 
@@ -307,28 +307,33 @@ fn attention_and_encoder_layer() {
     let q = randn(&[2, 3, 5, 8], 100);
     let k = randn(&[2, 3, 7, 8], 101);
     let v = randn(&[2, 3, 7, 4], 102);
-    let f: F = Rc::new(|xs| {
+    let f: F = Arc::new(|xs| {
         Tensor::scaled_dot_product_attention(&xs[0], &xs[1], &xs[2], None, 0.0, false)
     });
     check("sdpa", f, &[q, k, v]);
 
     let store = ParamStore::with_seed(3);
-    let mha =
-        Rc::new(MultiheadAttention::new(&store.root().sub("attn"), 16, 4, 0.0, true).unwrap());
+    let mha = Arc::new(Mutex::new(
+        MultiheadAttention::new(&store.root().sub("attn"), 16, 4, 0.0, true).unwrap(),
+    ));
     let x = randn(&[2, 6, 16], 103);
     let m = mha.clone();
     check(
         "mha self",
-        Rc::new(move |xs| m.forward(&xs[0])),
+        Arc::new(move |xs| m.lock().unwrap().forward(&xs[0])),
         std::slice::from_ref(&x),
     );
     let m = mha.clone();
-    let attend: F = Rc::new(move |xs| m.attend(&xs[0], &xs[0], &xs[0], None, false));
+    let attend: F = Arc::new(move |xs| {
+        m.lock()
+            .unwrap()
+            .attend(&xs[0], &xs[0], &xs[0], None, false)
+    });
     let a = check("mha attend", attend, std::slice::from_ref(&x));
     close(
         "attend == self_attention",
         &a,
-        &mha.forward(&x).unwrap(),
+        &mha.lock().unwrap().forward(&x).unwrap(),
         1e-5,
         1e-4,
     );
@@ -342,8 +347,9 @@ fn attention_and_encoder_layer() {
             norm_first,
             ..Default::default()
         };
-        let layer =
-            Rc::new(TransformerEncoderLayer::new(&store.root().sub("l"), 16, 4, cfg).unwrap());
+        let layer = Arc::new(Mutex::new(
+            TransformerEncoderLayer::new(&store.root().sub("l"), 16, 4, cfg).unwrap(),
+        ));
         // PyTorch's parameter count for TransformerEncoderLayer(16, 4, 32).
         assert_eq!(
             store.num_parameters(),
@@ -352,7 +358,7 @@ fn attention_and_encoder_layer() {
         let l = layer.clone();
         check(
             &format!("encoder layer norm_first {norm_first}"),
-            Rc::new(move |xs| l.forward(&xs[0])),
+            Arc::new(move |xs| l.lock().unwrap().forward(&xs[0])),
             std::slice::from_ref(&x),
         );
     }

@@ -2118,7 +2118,7 @@ fn check_fn<F>(
     tol: Tol,
 ) -> Result<(), String>
 where
-    F: Fn(&[kiln::Tensor]) -> kiln::Result<Vec<kiln::Tensor>> + Clone + 'static,
+    F: Fn(&[kiln::Tensor]) -> kiln::Result<Vec<kiln::Tensor>> + Clone + Send + 'static,
 {
     let xs: Vec<kiln::Tensor> = inputs
         .iter()
@@ -2162,7 +2162,7 @@ where
 /// `check_fn` for a test body: records failures in the test's report.
 fn check_fn_report<F>(name: &str, inputs: &[HostTensor], f: F, want: &[T], tol: Tol)
 where
-    F: Fn(&[kiln::Tensor]) -> kiln::Result<Vec<kiln::Tensor>> + Clone + 'static,
+    F: Fn(&[kiln::Tensor]) -> kiln::Result<Vec<kiln::Tensor>> + Clone + Send + 'static,
 {
     let want: Vec<HostTensor> = want
         .iter()

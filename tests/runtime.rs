@@ -2,11 +2,11 @@
 //! and sharing across threads. Checked through the runtime's metrics.
 
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::XlaBackend;
+use kiln::backend::xla::{XlaBackend, XlaOptions};
 use kiln::backend::Backend;
 use kiln::nn::{Init, Linear, Module, ParamStore, Relu, Sequential};
 use kiln::runtime::ExecutableCache;
-use kiln::{compile, compile_with, DType, Runtime, Tensor, TraceMode};
+use kiln::{compile, compile_with, DType, Runtime, SharedFn, Tensor, TraceMode};
 use std::path::PathBuf;
 
 fn mlp(seed: u64) -> kiln::Result<(ParamStore, Sequential)> {
@@ -276,5 +276,374 @@ fn eager_backend_runs_the_same_programs() -> kiln::Result<()> {
     let y = f.run(&[x])?.remove(0);
     assert!(max_diff(&y, &eager) < 1e-6);
     assert_eq!(EagerBackend::new().name(), "eager");
+    Ok(())
+}
+
+/// Each backend gets executables compiled for its own PJRT client, even when two backends share
+/// one in-memory cache (an executable only runs with buffers of its client).
+#[test]
+fn two_clients_sharing_one_cache_each_run_their_own_executable() -> kiln::Result<()> {
+    let cache: ExecutableCache<XlaBackend> = ExecutableCache::in_memory();
+    let x = Tensor::randn(&[3, 10], 9)?;
+    for seed in [30, 31] {
+        let (_s, m) = mlp(seed)?;
+        let eager = tch::no_grad(|| m.forward(&x))?;
+        let mut f = compile_with(
+            Runtime::with_cache(XlaBackend::new()?, cache.clone()),
+            move |xs: &[Tensor]| Ok(vec![m.forward(&xs[0])?]),
+        );
+        let y = f.run(std::slice::from_ref(&x))?.remove(0);
+        assert!(max_diff(&y, &eager) < 1e-5);
+        assert_eq!(f.stats().compiles, 1, "a new client compiles its own");
+    }
+    assert_eq!(cache.len(), 2);
+    Ok(())
+}
+
+/// Backends on one client with different options never share executables.
+#[test]
+fn backends_with_other_options_sharing_one_cache_compile_their_own() -> kiln::Result<()> {
+    let cache: ExecutableCache<XlaBackend> = ExecutableCache::in_memory();
+    let be = XlaBackend::new()?;
+    let x = Tensor::randn(&[3, 10], 9)?;
+    let backends = [be.clone(), be.with_options(XlaOptions::plain()), be.clone()];
+    let mut compiles = Vec::new();
+    for backend in backends {
+        let (_s, m) = mlp(32)?;
+        let eager = tch::no_grad(|| m.forward(&x))?;
+        let mut f = compile_with(
+            Runtime::with_cache(backend, cache.clone()),
+            move |xs: &[Tensor]| Ok(vec![m.forward(&xs[0])?]),
+        );
+        let y = f.run(std::slice::from_ref(&x))?.remove(0);
+        assert!(max_diff(&y, &eager) < 1e-5);
+        compiles.push(f.stats().compiles);
+    }
+    // The third backend equals the first (same client, same options): a hit.
+    assert_eq!(compiles, vec![1, 1, 0]);
+    assert_eq!(cache.len(), 2);
+    Ok(())
+}
+
+/// Directories a cache cannot write into: one whose permissions forbid it, and `/proc/self`,
+/// which refuses new files even to root (who ignores permissions).
+fn unwritable_dirs() -> Vec<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let ro = tmpdir("readonly");
+    std::fs::create_dir_all(&ro).unwrap();
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let mut dirs = vec![PathBuf::from("/proc/self")];
+    // Root writes into the read-only directory anyway: then only `/proc/self` tests anything.
+    if std::fs::write(ro.join("probe"), b"").is_err() {
+        dirs.push(ro);
+    }
+    dirs
+}
+
+#[test]
+fn an_unwritable_cache_directory_costs_only_the_cache() -> kiln::Result<()> {
+    for dir in unwritable_dirs() {
+        let (s, y, e) = run_with_cache(ExecutableCache::with_dir(&dir)?, 12)?;
+        assert!(max_diff(&y, &e) < 1e-5);
+        assert_eq!((s.compiles, s.disk_writes), (1, 0), "{}", dir.display());
+        // The next compile on the same cache still works.
+        let (s, _, _) = run_with_cache(ExecutableCache::with_dir(&dir)?, 12)?;
+        assert_eq!((s.compiles, s.disk_writes), (1, 0), "{}", dir.display());
+    }
+    let _ = std::fs::remove_dir_all(tmpdir("readonly"));
+    Ok(())
+}
+
+/// `var.assign(x)` inside a compiled function, where `x` is an input of the executable (the
+/// function's argument, another variable) rather than a computed value, and two variables
+/// assigned one value: after a call the variables hold what running eagerly gives.
+#[test]
+fn variables_assigned_from_inputs_and_other_variables() -> kiln::Result<()> {
+    for backend_is_xla in [true, false] {
+        let store = ParamStore::new();
+        let r = store.root();
+        let from_input = r.buffer("from_input", &[3], Init::Const(0.0), DType::F32)?;
+        let from_var = r.buffer("from_var", &[3], Init::Const(0.0), DType::F32)?;
+        let source = r.buffer("source", &[3], Init::Const(7.0), DType::F32)?;
+        let twin_a = r.buffer("twin_a", &[3], Init::Const(0.0), DType::F32)?;
+        let twin_b = r.buffer("twin_b", &[3], Init::Const(0.0), DType::F32)?;
+        let f = {
+            let (fi, fv, src, a, b) = (
+                from_input.clone(),
+                from_var.clone(),
+                source.clone(),
+                twin_a.clone(),
+                twin_b.clone(),
+            );
+            move |xs: &[Tensor]| -> kiln::Result<Vec<Tensor>> {
+                fi.assign(&xs[0])?;
+                fv.assign(&src)?;
+                let y = xs[0].mul_scalar(2.0)?;
+                a.assign(&y)?;
+                b.assign(&y)?;
+                Ok(vec![y])
+            }
+        };
+        let x = Tensor::from_slice(&[3], &[1.0f32, 2.0, 3.0])?;
+        let y = if backend_is_xla {
+            let mut c = compile(XlaBackend::new()?, f);
+            let y = c.run(std::slice::from_ref(&x))?.remove(0);
+            c.sync_to_store()?;
+            y
+        } else {
+            let mut c = compile(EagerBackend::new(), f);
+            let y = c.run(std::slice::from_ref(&x))?.remove(0);
+            c.sync_to_store()?;
+            y
+        };
+        assert_eq!(y.to_f64_vec()?, vec![2.0, 4.0, 6.0]);
+        assert_eq!(from_input.to_f64_vec()?, vec![1.0, 2.0, 3.0]);
+        assert_eq!(from_var.to_f64_vec()?, vec![7.0; 3]);
+        assert_eq!(twin_a.to_f64_vec()?, vec![2.0, 4.0, 6.0]);
+        assert_eq!(twin_b.to_f64_vec()?, vec![2.0, 4.0, 6.0]);
+    }
+    Ok(())
+}
+
+/// A variable returned after it was assigned, and returned unchanged while another variable
+/// takes its old value: the traced function gives what the eager one gives, and the donated
+/// buffer is never read after the call.
+#[test]
+fn reads_after_assign_see_the_new_value_as_eagerly() -> kiln::Result<()> {
+    let make = || -> kiln::Result<(ParamStore, Tensor, Tensor)> {
+        let store = ParamStore::new();
+        let v = store
+            .root()
+            .buffer("v", &[2], Init::Const(1.0), DType::F32)?;
+        let old = store
+            .root()
+            .buffer("old", &[2], Init::Const(0.0), DType::F32)?;
+        Ok((store, v, old))
+    };
+    let body = |v: Tensor, old: Tensor| {
+        move |xs: &[Tensor]| -> kiln::Result<Vec<Tensor>> {
+            old.assign(&v)?;
+            let before = v.mul_scalar(1.0)?;
+            v.assign(&v.add(&xs[0])?)?;
+            Ok(vec![before, v.clone()])
+        }
+    };
+    let x = Tensor::from_slice(&[2], &[0.5f32, 1.5])?;
+    let (_es, ev, eold) = make()?;
+    let mut eager_out = Vec::new();
+    for _ in 0..3 {
+        eager_out.push(
+            body(ev.clone(), eold.clone())(std::slice::from_ref(&x))?
+                .iter()
+                .map(|t| t.to_f64_vec().unwrap())
+                .collect::<Vec<_>>(),
+        );
+    }
+    let (_s, v, old) = make()?;
+    let mut f = compile(XlaBackend::new()?, body(v.clone(), old.clone()));
+    for want in &eager_out {
+        let got: Vec<Vec<f64>> = f
+            .run(std::slice::from_ref(&x))?
+            .iter()
+            .map(|t| t.to_f64_vec().unwrap())
+            .collect();
+        assert_eq!(&got, want);
+    }
+    f.sync_to_store()?;
+    assert_eq!(v.to_f64_vec()?, ev.to_f64_vec()?);
+    assert_eq!(old.to_f64_vec()?, eold.to_f64_vec()?);
+    Ok(())
+}
+
+#[test]
+fn compiled_models_are_send_and_the_shared_handle_is_sync() -> kiln::Result<()> {
+    fn send<T: Send>() {}
+    fn shareable<T: Send + Sync + Clone>() {}
+    send::<kiln::CompiledFn<XlaBackend>>();
+    send::<kiln::CompiledFn<EagerBackend>>();
+    send::<kiln::train::TrainStep<XlaBackend>>();
+    send::<kiln::train::TrainStep<EagerBackend>>();
+    shareable::<SharedFn<XlaBackend>>();
+    // Compiled and first run here, run again on another thread.
+    let (_s, m) = mlp(40)?;
+    let x = Tensor::randn(&[2, 10], 3)?;
+    let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![m.forward(&xs[0])?])
+    });
+    let here = f.run(std::slice::from_ref(&x))?.remove(0).to_f64_vec()?;
+    let there = std::thread::spawn(move || -> kiln::Result<Vec<f64>> {
+        f.run(&[Tensor::randn(&[2, 10], 3)?])?
+            .remove(0)
+            .to_f64_vec()
+    })
+    .join()
+    .expect("worker panicked")?;
+    assert_eq!(here, there);
+    Ok(())
+}
+
+/// Inputs for the shared-handle tests: a few batches, each thread cycles through them.
+fn batches() -> kiln::Result<Vec<Tensor>> {
+    (0..5).map(|i| Tensor::randn(&[4, 10], 100 + i)).collect()
+}
+
+#[test]
+fn a_shared_handle_serves_four_threads_with_the_single_threaded_results() -> kiln::Result<()> {
+    let (store, m) = mlp(41)?;
+    let f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![m.forward(&xs[0])?])
+    })
+    .shared();
+    let inputs = batches()?;
+    let want: Vec<Vec<f64>> = inputs
+        .iter()
+        .map(|x| f.run(std::slice::from_ref(x))?.remove(0).to_f64_vec())
+        .collect::<kiln::Result<_>>()?;
+    let before = f.stats();
+    let workers: Vec<_> = (0..4)
+        .map(|t| {
+            let (f, want) = (f.clone(), want.clone());
+            // Tensors are Send: each worker gets its own handles to the batches.
+            let inputs: Vec<Tensor> = inputs.to_vec();
+            std::thread::spawn(move || -> kiln::Result<usize> {
+                let mut mismatches = 0;
+                for i in 0..1000 {
+                    let k = (i + t) % inputs.len();
+                    let y = f.run(std::slice::from_ref(&inputs[k]))?.remove(0);
+                    if y.to_f64_vec()? != want[k] {
+                        mismatches += 1;
+                    }
+                }
+                Ok(mismatches)
+            })
+        })
+        .collect();
+    for w in workers {
+        assert_eq!(w.join().expect("worker panicked")?, 0);
+    }
+    let d = f.stats().since(&before);
+    // One executable, one set of resident weights: nothing traced, compiled or uploaded again
+    // besides the batches.
+    assert_eq!((d.traces, d.compiles, d.executions), (0, 0, 4000));
+    assert_eq!(d.h2d_transfers, 4000);
+    assert_eq!(f.runtime().num_resident(), store.len());
+    Ok(())
+}
+
+/// A function that writes a variable: calls on a shared handle are serialized, none is lost.
+#[test]
+fn a_shared_handle_serializes_calls_that_write_variables() -> kiln::Result<()> {
+    let store = ParamStore::new();
+    let c = Counter {
+        count: store
+            .root()
+            .buffer("count", &[], Init::Const(0.0), DType::F32)?,
+        total: store
+            .root()
+            .buffer("total", &[], Init::Const(0.0), DType::F64)?,
+    };
+    let f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![c.forward(&xs[0])?])
+    })
+    .shared();
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let f = f.clone();
+            std::thread::spawn(move || -> kiln::Result<()> {
+                let x = Tensor::from_slice(&[2], &[1.0f64, 0.5])?;
+                for _ in 0..250 {
+                    f.run(std::slice::from_ref(&x))?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().expect("worker panicked")?;
+    }
+    f.sync_to_store()?;
+    assert_eq!(store.get("count").unwrap().to_scalar()?, 1000.0);
+    assert_eq!(store.get("total").unwrap().to_scalar()?, 1500.0);
+    Ok(())
+}
+
+/// Calls per second on one shared handle from 1 and 2 threads (printed; run with
+/// `--nocapture`). No assertion on time: the figures depend on the machine and its load.
+#[test]
+fn shared_handle_throughput_one_and_two_threads() -> kiln::Result<()> {
+    let (_s, m) = mlp(42)?;
+    let f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![m.forward(&xs[0])?])
+    })
+    .shared();
+    let inputs = batches()?;
+    for _ in 0..200 {
+        f.run(&inputs[..1])?;
+    }
+    let calls = 2000;
+    // Best of three interleaved rounds per thread count (the machine may be shared).
+    let mut rates = [0.0f64; 2];
+    for _round in 0..3 {
+        for (slot, threads) in [1usize, 2].into_iter().enumerate() {
+            let t0 = std::time::Instant::now();
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    let f = f.clone();
+                    let x = inputs[0].clone();
+                    std::thread::spawn(move || -> kiln::Result<()> {
+                        for _ in 0..calls / threads {
+                            f.run(std::slice::from_ref(&x))?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            for w in workers {
+                w.join().expect("worker panicked")?;
+            }
+            rates[slot] = rates[slot].max(calls as f64 / t0.elapsed().as_secs_f64());
+        }
+    }
+    println!(
+        "shared handle, mlp 10-32-10 batch 4: {:.0} calls/s on 1 thread, {:.0} calls/s on 2 threads",
+        rates[0], rates[1]
+    );
+    Ok(())
+}
+
+/// A value both returned and stored in a variable (a recurrent state, say) costs one download
+/// per call and no device copy.
+#[test]
+fn a_value_returned_and_stored_moves_once() -> kiln::Result<()> {
+    let store = ParamStore::new();
+    let h = store
+        .root()
+        .buffer("h", &[3], Init::Const(0.0), DType::F32)?;
+    let hh = h.clone();
+    let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        let y = hh.add(&xs[0])?.tanh()?;
+        hh.assign(&y)?;
+        Ok(vec![y])
+    });
+    let x = Tensor::from_slice(&[3], &[0.1f32, 0.2, 0.3])?;
+    f.run(std::slice::from_ref(&x))?;
+    let before = f.stats();
+    let mut eager = vec![0.0f64; 3];
+    let mut last = Vec::new();
+    for _ in 0..3 {
+        last = f.run(std::slice::from_ref(&x))?.remove(0).to_f64_vec()?;
+    }
+    let d = f.stats().since(&before);
+    assert_eq!((d.h2d_transfers, d.d2h_transfers), (3, 3));
+    for _ in 0..4 {
+        for (e, xi) in eager.iter_mut().zip([0.1f32, 0.2, 0.3]) {
+            *e = ((*e as f32) + xi).tanh() as f64;
+        }
+    }
+    for (a, b) in last.iter().zip(&eager) {
+        assert!((a - b).abs() < 1e-6, "{last:?} vs {eager:?}");
+    }
+    f.sync_to_store()?;
+    assert_eq!(h.to_f64_vec()?, last);
     Ok(())
 }

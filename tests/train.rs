@@ -331,3 +331,126 @@ fn a_loss_without_parameters_is_an_error() -> kiln::Result<()> {
     assert!(err.contains("trainable parameter"), "{err}");
     Ok(())
 }
+
+/// A loss that assigns buffers from the batch, from another variable, and one value to two
+/// buffers: after the step the buffers hold those values, in both modes.
+#[test]
+fn a_loss_assigning_buffers_from_inputs_variables_and_one_value() -> kiln::Result<()> {
+    for mode in [TrainMode::Split, TrainMode::Fused] {
+        let store = ParamStore::with_seed(4);
+        let r = store.root();
+        let fc = Linear::new(&r.sub("fc"), 3, 1, true)?;
+        let last_x = r.buffer("last_x", &[2, 3], Init::Const(0.0), DType::F32)?;
+        let bias_copy = r.buffer("bias_copy", &[1], Init::Const(0.0), DType::F32)?;
+        let twin_a = r.buffer("twin_a", &[], Init::Const(0.0), DType::F32)?;
+        let twin_b = r.buffer("twin_b", &[], Init::Const(0.0), DType::F32)?;
+        let bias0 = store.get("fc.bias").unwrap().to_f64_vec()?;
+        let (lx, bc, a, b) = (
+            last_x.clone(),
+            bias_copy.clone(),
+            twin_a.clone(),
+            twin_b.clone(),
+        );
+        let bias = store.get("fc.bias").unwrap();
+        let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
+            lx.assign(&xs[0])?;
+            bc.assign(&bias)?;
+            let s = xs[0].sum_all()?.detach()?;
+            a.assign(&s)?;
+            b.assign(&s)?;
+            fc.forward(&xs[0])?.square()?.mean_all()
+        })?
+        .with_mode(mode)
+        .with_lr(0.1);
+        let x = Tensor::from_slice(&[2, 3], &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0])?;
+        step.step(std::slice::from_ref(&x))?;
+        step.sync_to_store()?;
+        assert_eq!(last_x.to_f64_vec()?, x.to_f64_vec()?, "{mode:?}");
+        // The bias before the update (the loss reads the parameter's value at the step's start).
+        assert_eq!(bias_copy.to_f64_vec()?, bias0, "{mode:?}");
+        assert_eq!(twin_a.to_f64_vec()?, vec![21.0], "{mode:?}");
+        assert_eq!(twin_b.to_f64_vec()?, vec![21.0], "{mode:?}");
+    }
+    Ok(())
+}
+
+/// The step trains the parameters of the store it was given; parameters of another store that
+/// the loss reads are constants (as a PyTorch optimizer built over one model's parameters).
+#[test]
+fn a_train_step_trains_only_the_parameters_of_its_store() -> kiln::Result<()> {
+    let trained = ParamStore::with_seed(5);
+    let frozen = ParamStore::with_seed(6);
+    let a = Linear::new(&trained.root().sub("a"), 4, 4, true)?;
+    let b = Linear::new(&frozen.root().sub("b"), 4, 1, true)?;
+    let before_a = store_values(&trained);
+    let before_b = store_values(&frozen);
+    let mut step = TrainStep::new(XlaBackend::new()?, &trained, Sgd::new(), move |xs| {
+        b.forward(&a.forward(&xs[0])?.tanh()?)?.square()?.mean_all()
+    })?
+    .with_lr(0.5);
+    step.step(&[Tensor::randn(&[5, 4], 1)?])?;
+    step.sync_to_store()?;
+    assert_ne!(
+        store_values(&trained),
+        before_a,
+        "the step's own store is trained"
+    );
+    assert_eq!(
+        store_values(&frozen),
+        before_b,
+        "another store is left alone"
+    );
+    Ok(())
+}
+
+/// The gradient reads a buffer that the same step then updates: the backward pass must see
+/// the value the forward pass read, not the new one (Split runs them as two executables).
+#[test]
+fn the_backward_pass_reads_the_values_the_forward_pass_read() -> kiln::Result<()> {
+    for mode in [TrainMode::Split, TrainMode::Fused] {
+        let store = ParamStore::new();
+        let r = store.root();
+        let p = r.param("p", &[2], Init::Const(1.0))?;
+        let v = r.buffer("v", &[2], Init::Const(0.0), DType::F32)?;
+        v.assign(&Tensor::from_slice(&[2], &[2.0f32, 3.0])?)?;
+        let (pp, vv) = (p.clone(), v.clone());
+        let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |_xs| {
+            let y = pp.mul(&vv)?.sum_all()?;
+            vv.assign(&vv.add_scalar(1.0)?)?;
+            Ok(y)
+        })?
+        .with_mode(mode)
+        .with_lr(1.0);
+        let dummy = Tensor::zeros(&[1], DType::F32)?;
+        let loss = step.step(std::slice::from_ref(&dummy))?;
+        step.sync_to_store()?;
+        assert_eq!(loss, 5.0, "{mode:?}");
+        // d loss / d p = v before the update = [2, 3].
+        assert_eq!(p.to_f64_vec()?, vec![-1.0, -2.0], "{mode:?}");
+        assert_eq!(v.to_f64_vec()?, vec![3.0, 4.0], "{mode:?}");
+    }
+    Ok(())
+}
+
+/// A train step is `Send`: built here, driven on another thread, it trains exactly as here.
+#[test]
+fn a_train_step_moves_to_another_thread() -> kiln::Result<()> {
+    let run = |on_worker: bool| -> kiln::Result<Vec<f64>> {
+        let store = ParamStore::with_seed(12);
+        let net = Net::new(&store, 0.2)?;
+        let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
+            loss_of(&net, xs)
+        })?
+        .with_lr(0.05)
+        .with_seed(3)?;
+        let mut steps =
+            move || -> kiln::Result<Vec<f64>> { (0..4).map(|s| step.step(&batch(s)?)).collect() };
+        if on_worker {
+            std::thread::spawn(steps).join().expect("worker panicked")
+        } else {
+            steps()
+        }
+    };
+    assert_eq!(run(false)?, run(true)?);
+    Ok(())
+}

@@ -10,10 +10,10 @@
 //! every model.
 
 use kiln::backend::xla::XlaBackend;
-use kiln::zoo::{self, Model};
+use kiln::zoo::{self, Model, SharedModel};
 use kiln::{compile, Tensor};
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 fn xla() -> XlaBackend {
     static B: OnceLock<XlaBackend> = OnceLock::new();
@@ -66,7 +66,7 @@ fn expected_output(name: &str, batch: usize) -> Vec<usize> {
 /// Eager vs XLA forward, compile once + replay, and a safetensors round trip.
 fn check_model(name: &str) {
     let batch = 2;
-    let model: Arc<dyn Model> = Arc::from(zoo::build(name, 0).unwrap());
+    let model: SharedModel = SharedModel::new(zoo::build(name, 0).unwrap());
     assert_eq!(model.name(), name);
     let inputs = model.example_inputs(batch, 1).unwrap();
     let eager = tch::no_grad(|| model.forward(&inputs, false)).unwrap();
@@ -179,7 +179,7 @@ fn parameter_counts_match_torchvision() {
 #[test]
 fn resnet18_training_forward_updates_batch_norm_like_eager() {
     let eager_model = zoo::build("resnet18", 3).unwrap();
-    let xla_model: Arc<dyn Model> = Arc::from(zoo::build("resnet18", 3).unwrap());
+    let xla_model: SharedModel = SharedModel::new(zoo::build("resnet18", 3).unwrap());
     let inputs = eager_model.example_inputs(2, 5).unwrap();
     let m = xla_model.clone();
     let mut f = compile(xla(), move |xs: &[Tensor]| Ok(vec![m.forward(xs, true)?]));
@@ -231,8 +231,8 @@ fn pytorch_parity() {
     std::fs::create_dir_all(&dir).unwrap();
     let mut kiln_out = Vec::new();
     for &name in &models {
-        let model: Arc<dyn Model> = Arc::from(zoo::build(name, 11).unwrap());
-        randomize_batch_norm_stats(model.as_ref());
+        let model: SharedModel = SharedModel::new(zoo::build(name, 11).unwrap());
+        randomize_batch_norm_stats(&model);
         let inputs = model.example_inputs(2, 12).unwrap();
         model
             .store()
@@ -344,7 +344,7 @@ fn randomize_batch_norm_stats(model: &dyn Model) {
 #[test]
 fn training_mode_forward_and_loss_trace_and_run() {
     for name in ["linear", "squeezenet1_1", "bert"] {
-        let model: Arc<dyn Model> = Arc::from(zoo::build(name, 0).unwrap());
+        let model: SharedModel = SharedModel::new(zoo::build(name, 0).unwrap());
         let inputs = model.example_inputs(2, 3).unwrap();
         let out = model.forward(&inputs, true).unwrap();
         let eager = model.loss(&out, &inputs).unwrap();

@@ -53,9 +53,8 @@ use kiln::backend::xla::XlaBackend;
 use kiln::nn::ParamStore;
 use kiln::optim::Sgd;
 use kiln::train::{EagerTrainStep, TrainMode, TrainStep};
-use kiln::zoo::{self, Model};
+use kiln::zoo::{self, Model, SharedModel};
 use kiln::{DType, Tensor};
-use std::sync::Arc;
 use std::time::Instant;
 
 /// Float64 kiln vs float64 libtorch, global relative error. Measured at most 2.1e-14 (resnet18);
@@ -111,13 +110,13 @@ fn global_rel(got: &[tch::Tensor], want: &[tch::Tensor]) -> (f64, (f64, usize)) 
 }
 
 /// The float64 twin of `model`: built in an f64 store, holding exactly `model`'s values.
-fn f64_twin(name: &str, model: &dyn Model) -> Arc<dyn Model> {
+fn f64_twin(name: &str, model: &dyn Model) -> SharedModel {
     let store = ParamStore::with_seed(0)
         .with_float_dtype(DType::F64)
         .unwrap();
     let twin = zoo::build_in(name, store).unwrap();
     twin.store().copy_from(model.store()).unwrap();
-    Arc::from(twin)
+    SharedModel::new(twin)
 }
 
 /// Floating-point tensors converted to `d`; integer inputs (token ids) unchanged.
@@ -163,7 +162,7 @@ fn tch_grads(
 
 /// The same gradient by kiln: traced, differentiated, compiled on XLA (Split mode), one step.
 fn xla_grads(
-    model: Arc<dyn Model>,
+    model: SharedModel,
     inputs: &[Tensor],
     r: &Tensor,
     train: bool,
@@ -205,8 +204,8 @@ fn check_grads(
     inputs: Option<Vec<Tensor>>,
 ) -> (f64, f64, f64) {
     let t0 = Instant::now();
-    let m32: Arc<dyn Model> = Arc::from(zoo::build(name, 0).unwrap());
-    let m64 = f64_twin(name, m32.as_ref());
+    let m32: SharedModel = SharedModel::new(zoo::build(name, 0).unwrap());
+    let m64 = f64_twin(name, &m32);
     let x32 = match inputs {
         Some(x) => x,
         None => m32.example_inputs(batch, 1).unwrap(),
@@ -223,8 +222,8 @@ fn check_grads(
         .collect();
 
     // The truth, and libtorch's own float32 error.
-    let (loss64, truth) = tch_grads(m64.as_ref(), &x64, &r64, train);
-    let (loss_t32, tch32) = tch_grads(m32.as_ref(), &x32, &r32, train);
+    let (loss64, truth) = tch_grads(&m64, &x64, &r64, train);
+    let (loss_t32, tch32) = tch_grads(&m32, &x32, &r32, train);
     let (err_t32, _) = global_rel(&tch32, &truth);
     let t_eager = t0.elapsed();
 
@@ -407,19 +406,19 @@ fn resnet18_batchnorm_running_stats_and_params_match_eager() {
                 .unwrap()
         })
         .collect();
-    let loss_of = |m: &Arc<dyn Model>, xs: &[Tensor]| -> kiln::Result<Tensor> {
+    let loss_of = |m: &SharedModel, xs: &[Tensor]| -> kiln::Result<Tensor> {
         let out = m.forward(xs, true)?;
         m.loss(&out, xs)
     };
-    let initial: Arc<dyn Model> = Arc::from(zoo::build("resnet18", 0).unwrap());
-    let init = vars(initial.as_ref());
+    let initial: SharedModel = SharedModel::new(zoo::build("resnet18", 0).unwrap());
+    let init = vars(&initial);
 
     // Trains a fresh copy of resnet18 in `dtype`, eagerly (libtorch) or with a kiln mode;
     // returns the losses and the variables afterwards.
     let train = |dtype: DType, mode: Option<TrainMode>| -> (Vec<f64>, Vec<(String, tch::Tensor)>) {
-        let m32: Arc<dyn Model> = Arc::from(zoo::build("resnet18", 0).unwrap());
+        let m32: SharedModel = SharedModel::new(zoo::build("resnet18", 0).unwrap());
         let model = if dtype == DType::F64 {
-            f64_twin("resnet18", m32.as_ref())
+            f64_twin("resnet18", &m32)
         } else {
             m32
         };
@@ -450,7 +449,7 @@ fn resnet18_batchnorm_running_stats_and_params_match_eager() {
                 l
             }
         };
-        (losses, vars(model.as_ref()))
+        (losses, vars(&model))
     };
 
     let t0 = Instant::now();

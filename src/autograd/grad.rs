@@ -80,13 +80,8 @@ pub fn joint(graph: &Graph, loss: usize, wrt: &[usize]) -> Result<Graph> {
         if !needs.iter().any(|&x| x) {
             continue;
         }
-        let grads =
-            vjp(&mut g, id, ct, &needs).map_err(|e| match e {
-                Error::Type { .. } | Error::Graph(_) | Error::Invalid(_) => Error::Invalid(
-                    format!("cannot differentiate {} ({}): {e}", node.op.name(), node.ty),
-                ),
-                e => e,
-            })?;
+        let grads = vjp(&mut g, id, ct, &needs)
+            .map_err(|e| Error::at_op("differentiating", node.op.name(), &node.ty, e))?;
         for (o, d) in operands.into_iter().zip(grads) {
             let Some(d) = d else { continue };
             if !active.contains(&o) {

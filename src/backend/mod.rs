@@ -105,8 +105,22 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// Identifies everything besides the graph that determines compiled code (platform,
-    /// plugin version, compile options). Part of persistent-cache keys.
+    /// plugin version, compile options). Part of every executable cache key, in memory and on
+    /// disk.
     fn cache_key(&self) -> String {
         self.name().to_string()
+    }
+
+    /// Identifies the device context this backend's executables and buffers belong to (for
+    /// PJRT: the client). Backends that return the same id can run each other's executables;
+    /// an in-memory [`crate::runtime::ExecutableCache`] shared by several backends keys its
+    /// entries by it (with [`Backend::cache_key`]). Clones of one backend return the same id.
+    ///
+    /// The default, `0`, says that executables are not tied to an instance (any instance with
+    /// the same `cache_key` can run them), which is right for a backend whose executables are
+    /// self-contained, like [`eager::EagerBackend`]'s. A backend whose executables hold device
+    /// handles must return an id unique to its context, e.g. from a global counter.
+    fn instance_id(&self) -> u64 {
+        0
     }
 }

@@ -3,6 +3,7 @@
 
 use super::registry::BackendEntry;
 use super::runner::{Contender, Workload};
+use super::SharedModel;
 use super::Variant;
 use crate::backend::Backend;
 use crate::compile::CompiledFn;
@@ -10,14 +11,13 @@ use crate::error::{Error, Result};
 use crate::runtime::Stats;
 use crate::trace::Tensor;
 use crate::zoo::Model;
-use std::rc::Rc;
 
 pub(crate) struct InferenceWorkload {
-    model: Rc<dyn Model>,
+    model: SharedModel,
 }
 
 impl InferenceWorkload {
-    pub(crate) fn new(model: Rc<dyn Model>) -> Self {
+    pub(crate) fn new(model: SharedModel) -> Self {
         InferenceWorkload { model }
     }
 }
@@ -43,7 +43,7 @@ impl Workload for InferenceWorkload {
 }
 
 struct EagerInference {
-    model: Rc<dyn Model>,
+    model: SharedModel,
 }
 
 impl Contender for EagerInference {

@@ -58,6 +58,7 @@ pub use user::{ModelSpec, UserModelSpec};
 
 use crate::compile::TraceMode;
 use crate::error::{Error, Result};
+pub(crate) use crate::zoo::SharedModel;
 use crate::zoo::{self, Model};
 
 /// What a run measures.

@@ -17,6 +17,7 @@
 use super::infer::InferenceContender;
 use super::runner::Contender;
 use super::train::TrainFactory;
+use super::SharedModel;
 use super::TrainGraphs;
 use crate::backend::eager::EagerBackend;
 use crate::backend::xla::XlaBackend;
@@ -24,12 +25,10 @@ use crate::backend::Backend;
 use crate::compile::{compile, TraceMode};
 use crate::error::{Error, Result};
 use crate::trace::Tensor;
-use crate::zoo::Model;
 use once_cell::unsync::OnceCell;
-use std::rc::Rc;
 
 /// A function of input tensors to output tensors, as compiled by the harness.
-pub(crate) type InferFn = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>>;
+pub(crate) type InferFn = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send>;
 
 /// A backend as the harness sees it: it builds compiled contenders.
 pub(crate) trait BenchBackend {
@@ -39,7 +38,7 @@ pub(crate) trait BenchBackend {
     /// A compiled training step of `model`.
     fn training(
         &self,
-        model: Rc<dyn Model>,
+        model: SharedModel,
         graphs: TrainGraphs,
         mode: TraceMode,
         lr: f64,
@@ -65,7 +64,7 @@ where
 
     fn training(
         &self,
-        model: Rc<dyn Model>,
+        model: SharedModel,
         graphs: TrainGraphs,
         mode: TraceMode,
         lr: f64,

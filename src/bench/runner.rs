@@ -7,13 +7,13 @@ use super::accuracy::{
 use super::registry::BackendEntry;
 use super::report::{ModelRow, Report, VariantResult};
 use super::stats::{median, welch_t_test};
+use super::SharedModel;
 use super::{default_batch_size, infer, train, BenchOptions, Experiment, ModelSource, Variant};
 use crate::error::Result;
 use crate::runtime::Stats;
 use crate::trace::Tensor;
 use crate::zoo::Model;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use std::rc::Rc;
 use std::time::Instant;
 
 /// Something timed against eager: an eager baseline or a compiled variant.
@@ -208,7 +208,7 @@ pub(crate) fn run(
         progress.message(format!("[{}/{n}] {name}", i + 1));
         let start = progress.bar.position();
         let row = match source.build() {
-            Ok(model) => bench_model(Rc::from(model), opts, backend, &variants, &progress),
+            Ok(model) => bench_model(SharedModel::new(model), opts, backend, &variants, &progress),
             Err(e) => ModelRow {
                 update_noise: None,
                 batch_size: opts.batch_size.unwrap_or_else(|| default_batch_size(&name)),
@@ -268,7 +268,7 @@ fn summary_line(row: &ModelRow, label: &str) -> String {
 }
 
 fn bench_model(
-    model: Rc<dyn Model>,
+    model: SharedModel,
     opts: &BenchOptions,
     backend: &BackendEntry,
     variants: &[Variant],
@@ -305,7 +305,7 @@ fn bench_model(
     row
 }
 
-fn workload_for(model: &Rc<dyn Model>, opts: &BenchOptions) -> Result<Box<dyn Workload>> {
+fn workload_for(model: &SharedModel, opts: &BenchOptions) -> Result<Box<dyn Workload>> {
     if opts.training {
         Ok(Box::new(train::TrainWorkload::new(model.clone(), opts)?))
     } else {
@@ -314,7 +314,7 @@ fn workload_for(model: &Rc<dyn Model>, opts: &BenchOptions) -> Result<Box<dyn Wo
 }
 
 fn bench_model_inner(
-    model: &Rc<dyn Model>,
+    model: &SharedModel,
     opts: &BenchOptions,
     backend: &BackendEntry,
     batch: usize,

@@ -11,6 +11,7 @@
 
 use super::registry::BackendEntry;
 use super::runner::{Contender, Workload};
+use super::SharedModel;
 use super::{BenchOptions, TrainGraphs, Variant};
 use crate::backend::eager::EagerBackend;
 use crate::backend::{Backend, HostTensor};
@@ -21,17 +22,16 @@ use crate::runtime::Stats;
 use crate::trace::Tensor;
 use crate::train::{EagerTrainStep, TrainMode, TrainStep};
 use crate::zoo::Model;
-use std::rc::Rc;
 
 pub(crate) struct TrainWorkload {
-    model: Rc<dyn Model>,
+    model: SharedModel,
     lr: f64,
     /// The initial value of every variable, restored before each contender's warm-up.
     snapshot: Vec<(String, HostTensor)>,
 }
 
 impl TrainWorkload {
-    pub(crate) fn new(model: Rc<dyn Model>, opts: &BenchOptions) -> Result<Self> {
+    pub(crate) fn new(model: SharedModel, opts: &BenchOptions) -> Result<Self> {
         let snapshot = model
             .store()
             .vars()
@@ -108,7 +108,7 @@ impl Workload for TrainWorkload {
     }
 }
 
-fn loss_fn(model: Rc<dyn Model>) -> impl Fn(&[Tensor]) -> Result<Tensor> + 'static {
+fn loss_fn(model: SharedModel) -> impl Fn(&[Tensor]) -> Result<Tensor> + 'static {
     move |xs: &[Tensor]| {
         let out = model.forward(xs, true)?;
         model.loss(&out, xs)
@@ -119,7 +119,7 @@ fn loss_fn(model: Rc<dyn Model>) -> impl Fn(&[Tensor]) -> Result<Tensor> + 'stat
 pub(crate) struct TrainFactory;
 
 impl TrainFactory {
-    pub(crate) fn eager(model: Rc<dyn Model>, lr: f64) -> Result<Box<dyn Contender>> {
+    pub(crate) fn eager(model: SharedModel, lr: f64) -> Result<Box<dyn Contender>> {
         let store = model.store().clone();
         let step = EagerTrainStep::new(&store, Sgd::new(), loss_fn(model))?.with_lr(lr);
         Ok(Box::new(EagerTraining { step }))
@@ -127,7 +127,7 @@ impl TrainFactory {
 
     pub(crate) fn compiled<B: Backend>(
         backend: B,
-        model: Rc<dyn Model>,
+        model: SharedModel,
         graphs: TrainGraphs,
         mode: TraceMode,
         lr: f64,

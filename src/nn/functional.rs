@@ -123,8 +123,8 @@ fn constant_matrix(dtype: DType, shape: &[usize], values: &[f64]) -> Result<Tens
             DType::F32 => bytes.extend_from_slice(&(v as f32).to_le_bytes()),
             DType::F64 => bytes.extend_from_slice(&v.to_le_bytes()),
             other => {
-                return Err(Error::Invalid(format!(
-                    "internal: float constant of dtype {other}"
+                return Err(Error::Internal(format!(
+                    "float constant matrix of dtype {other}"
                 )))
             }
         }

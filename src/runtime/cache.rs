@@ -1,4 +1,5 @@
-//! The executable cache: in memory by graph fingerprint, optionally persisted on disk.
+//! The executable cache: in memory by graph fingerprint and backend, optionally persisted on
+//! disk.
 
 use super::Metrics;
 use crate::backend::Backend;
@@ -12,17 +13,23 @@ use std::time::Instant;
 
 const MAGIC: &[u8; 8] = b"KILNEXE1";
 
-/// Compiled executables keyed by graph fingerprint, shareable between compiled functions,
-/// train steps and threads (clones share the same entries).
+/// Compiled executables keyed by graph fingerprint and backend, shareable between compiled
+/// functions, train steps and threads (clones share the same entries).
+///
+/// An entry belongs to the backend that compiled it: its key is the graph fingerprint, the
+/// backend's [`Backend::cache_key`] (platform, plugin version, compile options) and its
+/// [`Backend::instance_id`] (the PJRT client), so backends with other options, or on another
+/// client, sharing one cache compile their own executables.
 ///
 /// With a directory ([`ExecutableCache::with_dir`]) executables are also written to disk
 /// (where the backend can serialize them: XLA via `PJRT_Executable_Serialize`) and loaded by
 /// later processes instead of compiling. An entry's file name is a hash of the graph
 /// fingerprint and [`Backend::cache_key`] (platform, plugin version, compile options); its
 /// content carries a checksum, so a truncated or corrupt file is detected, recompiled and
-/// rewritten, never trusted.
+/// rewritten, never trusted. A directory that cannot be written (read-only, full) only costs
+/// the cache: the executable is used, and a warning is logged through the `log` crate.
 pub struct ExecutableCache<B: Backend> {
-    entries: Arc<Mutex<HashMap<Fingerprint, Arc<B::Executable>>>>,
+    entries: Arc<Mutex<HashMap<EntryKey, Arc<B::Executable>>>>,
     dir: Option<PathBuf>,
 }
 
@@ -90,11 +97,12 @@ impl<B: Backend> ExecutableCache<B> {
 
     /// The file an executable for `fp` on `backend` is stored in.
     pub fn entry_path(&self, backend: &B, fp: &Fingerprint) -> Option<PathBuf> {
+        self.path_of(&EntryKey::new(backend, fp))
+    }
+
+    fn path_of(&self, key: &EntryKey) -> Option<PathBuf> {
         let dir = self.dir.as_ref()?;
-        let mut h = blake3::Hasher::new();
-        h.update(&fp.0);
-        h.update(backend.cache_key().as_bytes());
-        let name = h.finalize().to_hex();
+        let name = blake3::Hash::from(key.code).to_hex();
         Some(dir.join(format!("{}.kxe", &name[..32])))
     }
 
@@ -107,19 +115,20 @@ impl<B: Backend> ExecutableCache<B> {
         fp: Fingerprint,
         metrics: &Metrics,
     ) -> Result<Arc<B::Executable>> {
-        if let Some(e) = self.entries.lock().get(&fp) {
+        let key = EntryKey::new(backend, &fp);
+        if let Some(e) = self.entries.lock().get(&key) {
             metrics.cache_hit();
             return Ok(e.clone());
         }
         metrics.cache_miss();
-        let path = self.entry_path(backend, &fp);
+        let path = self.path_of(&key);
         if let Some(p) = &path {
             match read_entry(p) {
                 Ok(Some(bytes)) => match backend.deserialize_executable(graph, &bytes) {
                     Ok(Some(exe)) => {
                         metrics.disk_hit();
                         let exe = Arc::new(exe);
-                        self.entries.lock().insert(fp, exe.clone());
+                        self.entries.lock().insert(key, exe.clone());
                         return Ok(exe);
                     }
                     Ok(None) => {}
@@ -133,14 +142,41 @@ impl<B: Backend> ExecutableCache<B> {
         let exe = Arc::new(backend.compile(graph)?);
         metrics.compiled(t0.elapsed());
         if let Some(p) = &path {
-            if let Some(bytes) = backend.serialize_executable(&exe)? {
-                write_entry(p, &bytes)?;
-                metrics.disk_write();
+            // The executable is good whatever happens to its copy on disk.
+            match backend
+                .serialize_executable(&exe)
+                .and_then(|b| b.map(|b| write_entry(p, &b)).transpose())
+            {
+                Ok(Some(())) => metrics.disk_write(),
+                Ok(None) => {}
+                Err(e) => log::warn!("kiln: executable not cached on disk: {e}"),
             }
         }
         // Another thread may have compiled the same graph meanwhile: keep the first.
         let mut entries = self.entries.lock();
-        Ok(entries.entry(fp).or_insert(exe).clone())
+        Ok(entries.entry(key).or_insert(exe).clone())
+    }
+}
+
+/// What an executable is cached under.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct EntryKey {
+    /// Hash of the graph fingerprint and [`Backend::cache_key`]: what the compiled code depends
+    /// on (and the on-disk file name).
+    code: [u8; 32],
+    /// [`Backend::instance_id`]: which device context the loaded executable belongs to.
+    instance: u64,
+}
+
+impl EntryKey {
+    fn new<B: Backend>(backend: &B, fp: &Fingerprint) -> Self {
+        let mut h = blake3::Hasher::new();
+        h.update(&fp.0);
+        h.update(backend.cache_key().as_bytes());
+        EntryKey {
+            code: *h.finalize().as_bytes(),
+            instance: backend.instance_id(),
+        }
     }
 }
 
@@ -181,7 +217,12 @@ fn write_entry(path: &Path, payload: &[u8]) -> Result<()> {
     data.extend_from_slice(blake3::hash(payload).as_bytes());
     data.extend_from_slice(payload);
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, &data).map_err(|e| Error::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
-    Ok(())
+    // A failed write (e.g. a full disk) must not leave its partial file behind.
+    let written = std::fs::write(&tmp, &data)
+        .map_err(|e| Error::io(&tmp, e))
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e)));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }

@@ -5,8 +5,12 @@
 //! device as backend buffers. Executables that update them return the new values, which
 //! replace the old buffers (donated, so XLA updates in place); the
 //! [`crate::nn::ParamStore`] is refreshed only on request ([`Runtime::sync_to_store`]).
+//!
+//! A runtime is used through `&self` and locks its variable table inside, so one runtime can
+//! serve several threads ([`crate::SharedFn`]); it is `Sync` when the backend's buffers are.
 
 mod cache;
+pub(crate) mod exec;
 mod metrics;
 
 pub use cache::ExecutableCache;
@@ -16,21 +20,29 @@ use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::ir::{Fingerprint, Graph};
 use crate::trace::Tensor;
+use exec::VarId;
+use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-struct Resident<Buf> {
-    var: Tensor,
-    buffer: Buf,
+pub(crate) struct Resident<Buf> {
+    pub(crate) buffer: Buf,
     /// The device copy is newer than the store's.
     dirty: bool,
 }
+
+/// Device copies of variables, by variable id.
+pub(crate) type VarTable<Buf> = HashMap<VarId, Resident<Buf>>;
 
 /// Device state and services for running compiled graphs on one backend.
 pub struct Runtime<B: Backend> {
     backend: B,
     cache: ExecutableCache<B>,
-    vars: HashMap<u64, Resident<B::Buffer>>,
+    vars: RwLock<VarTable<B::Buffer>>,
+    /// The store tensor of every variable seen: uploaded when it is not resident, written by
+    /// [`Runtime::sync_to_store`]. Apart from the buffers because a tensor is `Send` but not
+    /// `Sync`.
+    handles: Mutex<HashMap<VarId, Tensor>>,
     metrics: Arc<Metrics>,
 }
 
@@ -45,7 +57,8 @@ impl<B: Backend> Runtime<B> {
         Runtime {
             backend,
             cache,
-            vars: HashMap::new(),
+            vars: RwLock::new(HashMap::new()),
+            handles: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::default()),
         }
     }
@@ -114,15 +127,42 @@ impl<B: Backend> Runtime<B> {
         Ok(outs)
     }
 
-    /// Uploads variable `var` unless it is already resident.
-    pub fn ensure_var(&mut self, var: &Tensor) -> Result<()> {
+    /// Records `var` as a variable of this runtime (uploaded when first needed); returns its
+    /// id.
+    pub(crate) fn register(&self, var: &Tensor) -> Result<VarId> {
         let id = var_id(var)?;
-        if !self.vars.contains_key(&id) {
-            let buffer = self.upload_tensor(var)?;
-            self.vars.insert(
+        self.handles.lock().entry(id).or_insert_with(|| var.clone());
+        Ok(id)
+    }
+
+    /// Uploads variable `var` unless it is already resident.
+    pub fn ensure_var(&self, var: &Tensor) -> Result<()> {
+        let id = self.register(var)?;
+        self.make_resident(&mut self.vars.write(), &[id])
+    }
+
+    /// Uploads the store values of the variables in `ids` that are not resident.
+    pub(crate) fn make_resident(
+        &self,
+        vars: &mut VarTable<B::Buffer>,
+        ids: &[VarId],
+    ) -> Result<()> {
+        for &id in ids {
+            if vars.contains_key(&id) {
+                continue;
+            }
+            let host = match self.handles.lock().get(&id) {
+                Some(t) => t.to_host()?,
+                None => {
+                    return Err(Error::Internal(format!(
+                        "variable {id} used before it was registered"
+                    )))
+                }
+            };
+            let buffer = self.upload(&host)?;
+            vars.insert(
                 id,
                 Resident {
-                    var: var.clone(),
                     buffer,
                     dirty: false,
                 },
@@ -132,50 +172,66 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// Makes `value` the device copy of variable `var` (uploading it).
-    pub fn set_var(&mut self, var: &Tensor, value: &HostTensor) -> Result<()> {
+    pub fn set_var(&self, var: &Tensor, value: &HostTensor) -> Result<()> {
         let buffer = self.upload(value)?;
         self.replace_var(var, buffer)
     }
 
-    /// The device buffer of a resident variable.
-    pub fn var_buffer(&self, var: &Tensor) -> Result<&B::Buffer> {
+    /// The device copy of a resident variable, downloaded.
+    pub fn read_var(&self, var: &Tensor) -> Result<HostTensor> {
         let id = var_id(var)?;
-        self.vars
+        let vars = self.vars.read();
+        let r = vars
             .get(&id)
-            .map(|r| &r.buffer)
-            .ok_or_else(|| Error::Invalid(format!("variable {var:?} is not resident")))
+            .ok_or_else(|| Error::Invalid(format!("variable {var:?} is not resident")))?;
+        self.download(&r.buffer)
     }
 
     /// Replaces the device copy of `var` by `buffer` (a newer value computed on the device).
-    pub fn replace_var(&mut self, var: &Tensor, buffer: B::Buffer) -> Result<()> {
-        let id = var_id(var)?;
-        if let Some(old) = self.vars.get(&id) {
-            if self.backend.is_donated(&old.buffer)? {
-                self.metrics.donation();
-            }
-        }
-        self.vars.insert(
+    pub fn replace_var(&self, var: &Tensor, buffer: B::Buffer) -> Result<()> {
+        let id = self.register(var)?;
+        self.replace_resident(&mut self.vars.write(), id, buffer)
+    }
+
+    pub(crate) fn replace_resident(
+        &self,
+        vars: &mut VarTable<B::Buffer>,
+        id: VarId,
+        buffer: B::Buffer,
+    ) -> Result<()> {
+        let old = vars.insert(
             id,
             Resident {
-                var: var.clone(),
                 buffer,
                 dirty: true,
             },
         );
+        if let Some(old) = old {
+            if self.backend.is_donated(&old.buffer)? {
+                self.metrics.donation();
+            }
+        }
         Ok(())
     }
 
     /// Number of resident variables.
     pub fn num_resident(&self) -> usize {
-        self.vars.len()
+        self.vars.read().len()
     }
 
     /// Copies every variable updated on the device back into its store.
-    pub fn sync_to_store(&mut self) -> Result<()> {
-        for r in self.vars.values_mut().filter(|r| r.dirty) {
-            let h = self.backend.to_host(&r.buffer)?;
-            self.metrics.d2h(h.bytes().len());
-            r.var.assign(&Tensor::from_host(&h)?)?;
+    pub fn sync_to_store(&self) -> Result<()> {
+        self.sync_table(&mut self.vars.write())
+    }
+
+    fn sync_table(&self, vars: &mut VarTable<B::Buffer>) -> Result<()> {
+        let handles = self.handles.lock();
+        for (id, r) in vars.iter_mut().filter(|(_, r)| r.dirty) {
+            let var = handles
+                .get(id)
+                .ok_or_else(|| Error::Internal(format!("resident variable {id} has no handle")))?;
+            let h = self.download(&r.buffer)?;
+            var.assign(&Tensor::from_host(&h)?)?;
             r.dirty = false;
         }
         Ok(())
@@ -183,9 +239,10 @@ impl<B: Backend> Runtime<B> {
 
     /// Drops the device copies (after syncing pending updates to the store), so the next use
     /// uploads the store's current values. Call after changing the store eagerly.
-    pub fn refresh_from_store(&mut self) -> Result<()> {
-        self.sync_to_store()?;
-        self.vars.clear();
+    pub fn refresh_from_store(&self) -> Result<()> {
+        let mut vars = self.vars.write();
+        self.sync_table(&mut vars)?;
+        vars.clear();
         Ok(())
     }
 }

@@ -36,7 +36,8 @@ pub(crate) struct TraceCtx {
     pub(crate) id: u64,
     pub(crate) graph: Graph,
     pub(crate) bindings: Vec<Binding>,
-    lifted: HashMap<u64, NodeId>,
+    /// The node holding each variable's current value: its input, or what it was assigned.
+    pub(crate) lifted: HashMap<u64, NodeId>,
     /// Variables assigned during the trace (last assignment wins), in first-assignment order.
     pub(crate) assigns: Vec<(Tensor, NodeId)>,
     pub(crate) rng_key: Option<NodeId>,

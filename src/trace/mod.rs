@@ -323,6 +323,9 @@ impl Tensor {
                     Some(slot) => slot.1 = node,
                     None => ctx.assigns.push((self.clone(), node)),
                 }
+                // Later reads of the variable in this trace see the new value, as they do
+                // eagerly.
+                ctx.lifted.insert(var.id, node);
                 Ok(())
             })
         } else {

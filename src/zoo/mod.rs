@@ -33,6 +33,8 @@ mod transformer;
 use crate::error::{Error, Result};
 use crate::nn::{Module, ParamStore};
 use crate::trace::Tensor;
+use parking_lot::Mutex;
+use std::sync::Arc;
 
 /// A model of the zoo: parameters, example inputs, forward and a scalar training loss.
 pub trait Model: Send {
@@ -53,6 +55,72 @@ pub trait Model: Send {
     fn loss(&self, output: &Tensor, inputs: &[Tensor]) -> Result<Tensor> {
         let _ = inputs;
         output.mean_all()
+    }
+}
+
+/// A model shared by several closures (an eager reference and a compiled function, say):
+/// cheap to clone and `Send`, so it can be captured by [`crate::compile()`]'s and
+/// [`crate::train::TrainStep`]'s closures, which must be `Send`.
+///
+/// A model holds tensors, which are `Send` but not `Sync`, so `Arc<dyn Model>` is not `Send`;
+/// this handle keeps the model behind a mutex instead (each call locks it; tracing and eager
+/// calls are never concurrent on one model anyway).
+///
+/// ```no_run
+/// use kiln::backend::xla::XlaBackend;
+/// use kiln::zoo::{self, Model, SharedModel};
+/// use kiln::{compile, Tensor};
+///
+/// let model = SharedModel::new(zoo::build("linear", 0)?);
+/// let m = model.clone();
+/// let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| Ok(vec![m.forward(xs, false)?]));
+/// let inputs = model.example_inputs(4, 0)?;
+/// let (eager, compiled) = (model.forward(&inputs, false)?, f.run(&inputs)?);
+/// # Ok::<(), kiln::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct SharedModel {
+    model: Arc<Mutex<Box<dyn Model>>>,
+    name: String,
+    store: ParamStore,
+}
+
+impl SharedModel {
+    /// Shares `model`.
+    pub fn new(model: Box<dyn Model>) -> Self {
+        SharedModel {
+            name: model.name().to_string(),
+            store: model.store().clone(),
+            model: Arc::new(Mutex::new(model)),
+        }
+    }
+}
+
+impl std::fmt::Debug for SharedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedModel({})", self.name)
+    }
+}
+
+impl Model for SharedModel {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    fn example_inputs(&self, batch: usize, seed: u64) -> Result<Vec<Tensor>> {
+        self.model.lock().example_inputs(batch, seed)
+    }
+
+    fn forward(&self, inputs: &[Tensor], train: bool) -> Result<Tensor> {
+        self.model.lock().forward(inputs, train)
+    }
+
+    fn loss(&self, output: &Tensor, inputs: &[Tensor]) -> Result<Tensor> {
+        self.model.lock().loss(output, inputs)
     }
 }
 

@@ -677,14 +677,8 @@ impl EagerBackend {
                     let args: Vec<&Tensor> = node.operands.iter().map(|o| &env[o]).collect();
                     let types: Vec<&TensorType> =
                         node.operands.iter().map(|&o| &g.node(o).ty).collect();
-                    eval_op(op, &args, &types, &node.ty).map_err(|e| match e {
-                        Error::Torch(t) => Error::Invalid(format!(
-                            "eager: {} {} failed: {t}",
-                            node.op.name(),
-                            node.ty
-                        )),
-                        e => e,
-                    })?
+                    eval_op(op, &args, &types, &node.ty)
+                        .map_err(|e| Error::at_op("evaluating", node.op.name(), &node.ty, e))?
                 }
             };
             env.insert(id, value);

@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::ir::{ConvAttrs, DType, Graph, Op, TensorType};
 use crate::passes::{Im2col, Pass};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// The plugin path kiln uses when none is given explicitly.
@@ -178,6 +179,8 @@ impl XlaOptions {
     }
 }
 
+static NEXT_CLIENT_ID: AtomicU64 = AtomicU64::new(1);
+
 /// The XLA backend over one PJRT client (device 0). Cheap to clone; thread-safe.
 #[derive(Clone)]
 pub struct XlaBackend {
@@ -188,6 +191,8 @@ pub struct XlaBackend {
 
 struct Inner {
     client: pjrt::Client,
+    /// Process-unique: executables compiled by one client cannot run another's buffers.
+    id: u64,
     plugin: PathBuf,
     platform: String,
     platform_version: String,
@@ -210,6 +215,7 @@ impl XlaBackend {
         Ok(XlaBackend {
             inner: Arc::new(Inner {
                 client,
+                id: NEXT_CLIENT_ID.fetch_add(1, Ordering::Relaxed),
                 plugin: path.to_path_buf(),
                 platform,
                 platform_version,
@@ -418,5 +424,9 @@ impl Backend for XlaBackend {
             self.option_bytes,
             self.options.conv.key()
         )
+    }
+
+    fn instance_id(&self) -> u64 {
+        self.inner.id
     }
 }
