@@ -5,7 +5,7 @@
 //!
 //! The pipeline, one module per stage:
 //!
-//! - [`trace`]: [`Tensor`] runs eagerly on libtorch, or records into a graph inside [`trace()`].
+//! - [`mod@trace`]: [`Tensor`] runs eagerly on libtorch, or records into a graph inside [`trace()`].
 //! - [`ir`]: the typed graph ([`ir::Graph`]) over a closed op set ([`ir::Op`]).
 //! - [`passes`]: graph rewrites (CSE, DCE, output dedup).
 //! - [`autograd`]: VJP rules, the joint forward+backward graph, forward/backward partition.
