@@ -55,7 +55,10 @@
 //! and kiln-bench themselves are compiled once more the first time any user model is built
 //! (about a minute on 2 cores): cargo keys a path dependency's build by the workspace it is
 //! built from, and every scratch crate shares that second build. After that, a new or edited
-//! model file costs a few seconds.
+//! model file costs a few seconds. cargo runs in the workspace's root, so its
+//! `.cargo/config.toml` applies as it does to the workspace's own builds: a `LIBTORCH` exported
+//! when the workspace was built must be exported for the harness too (another value rebuilds
+//! the libtorch bindings, minutes).
 
 use crate::error::{Error, Result};
 use std::ffi::OsString;
