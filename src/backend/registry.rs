@@ -284,7 +284,7 @@ impl std::fmt::Debug for BackendEntry {
 /// `eager` (kiln's graph interpreter on libtorch, label `Eager graph`); add your own with
 /// [`BackendRegistry::register`].
 ///
-/// ```no_run
+/// ```
 /// use kiln::backend::eager::EagerBackend;
 /// use kiln::backend::registry::BackendRegistry;
 ///
@@ -430,6 +430,23 @@ mod tests {
         }
         let stats = f.stats();
         assert_eq!((stats.traces, stats.compiles), (2, 1));
+
+        // A concrete backend boxed: the same result.
+        let boxed: Box<dyn DynBackend> = Box::new(EagerBackend::new());
+        let wc = w.clone();
+        let mut g = boxed
+            .compile(
+                Box::new(move |xs: &[Tensor]| Ok(vec![(&xs[0] * &wc)?.tanh()?])),
+                TraceMode::Once,
+            )
+            .unwrap();
+        let got = g.run(std::slice::from_ref(&x)).unwrap()[0]
+            .to_f64_vec()
+            .unwrap();
+        let via_registry = f.run(std::slice::from_ref(&x)).unwrap()[0]
+            .to_f64_vec()
+            .unwrap();
+        assert_eq!(got, via_registry);
 
         // One SGD step by name, and the same step on the concrete backend from the same start.
         let initial = w.to_f64_vec().unwrap();
