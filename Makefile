@@ -8,13 +8,13 @@
 bootstrap:
 	@bash scripts/bootstrap.sh
 
-# The main job: the benchmark harness on the zoo's default subset, inference then training
-# (the seeds' tables; CSV copies under target/). `--all` runs the whole zoo; see
-# `cargo run --release --example bench -- --help`.
+# The main job: the benchmark harness (the workspace's kiln-bench crate) on the zoo's default
+# subset, inference then training (the seeds' tables; CSV copies under target/). `--all` runs
+# the whole zoo; see `cargo run --release -p kiln-bench -- --help`.
 bench: bootstrap
-	cargo run --release --example bench -- --csv target/bench-inference.csv
-	cargo run --release --example bench -- --training --csv target/bench-training.csv
+	cargo run --release -p kiln-bench -- --csv target/bench-inference.csv
+	cargo run --release -p kiln-bench -- --training --csv target/bench-training.csv
 
-# The test suite.
+# The test suite: kiln and the harness.
 test: bootstrap
-	cargo test --release
+	cargo test --release --workspace

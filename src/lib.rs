@@ -5,17 +5,22 @@
 //!
 //! The pipeline, one module per stage:
 //!
-//! - [`trace`]: [`Tensor`] runs eagerly on libtorch, or records into a graph inside [`trace()`].
+//! - [`mod@trace`]: [`Tensor`] runs eagerly on libtorch, or records into a graph inside [`trace()`].
 //! - [`ir`]: the typed graph ([`ir::Graph`]) over a closed op set ([`ir::Op`]).
 //! - [`passes`]: graph rewrites (CSE, DCE, output dedup).
 //! - [`autograd`]: VJP rules, the joint forward+backward graph, forward/backward partition.
 //! - [`optim`]: SGD, Adam, AdamW as optimizer graphs (and eager updates).
-//! - [`backend`]: the [`backend::Backend`] trait; `eager` (tch interpreter) and `xla` (PJRT).
+//! - [`backend`]: the [`backend::Backend`] trait; `eager` (tch interpreter) and `xla` (PJRT);
+//!   [`backend::registry`] picks one by name (from configuration).
 //! - [`compile()`]: the entry point: trace once per input signature, compile, replay.
 //! - [`nn`]: modules, functional ops ([`nn::functional`]), the [`nn::ParamStore`] and
 //!   safetensors weights.
-//! - [`zoo`]: the benchmark's models (torchvision CNNs, BERT, ViT, LinearModel).
-//! - [`bench`](mod@bench): the benchmark harness (the `bench` example).
+//! - [`zoo`]: the benchmark's models (torchvision CNNs, BERT, ViT, LinearModel); the default
+//!   cargo feature `zoo` (leave it out with `default-features = false` to get only the
+//!   compiler).
+//!
+//! The benchmark harness is the workspace's other crate, `kiln-bench`
+//! (`cargo run --release -p kiln-bench -- --help`).
 //!
 //! ```no_run
 //! use kiln::backend::xla::XlaBackend;
@@ -39,7 +44,6 @@
 
 pub mod autograd;
 pub mod backend;
-pub mod bench;
 pub mod compile;
 pub mod error;
 pub mod ir;
@@ -49,6 +53,7 @@ pub mod passes;
 pub mod runtime;
 pub mod trace;
 pub mod train;
+#[cfg(feature = "zoo")]
 pub mod zoo;
 
 pub use compile::{compile, compile_with, CompiledFn, Program, SharedFn, TraceMode};

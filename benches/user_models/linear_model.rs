@@ -1,6 +1,6 @@
 // The seeds' `LinearModel` as a user model for the benchmark harness:
 //
-//     cargo run --release --example bench -- --only path:benches/user_models/linear_model.rs,class:LinearModel
+//     cargo run --release -p kiln-bench -- --only path:benches/user_models/linear_model.rs,class:LinearModel
 //
 // The harness `include!`s this file into a scratch crate that depends on kiln, so it is plain
 // Rust with `use kiln::...` imports: a type implementing `kiln::zoo::Model`, and a constructor

@@ -9,10 +9,12 @@
 //! - [`xla::XlaBackend`]: lowers the graph to StableHLO text and compiles it with a PJRT plugin.
 //!
 //! A user implements [`Backend`] in their own crate to plug in another engine; the
-//! `custom_backend` example shows one.
+//! `custom_backend` example shows one. [`registry`] picks a backend by name (e.g. from a
+//! configuration file) behind an object-safe wrapper, [`registry::DynBackend`].
 
 pub mod eager;
 mod host;
+pub mod registry;
 pub mod xla;
 
 pub use host::{Element, HostTensor};

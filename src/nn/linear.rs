@@ -1,4 +1,4 @@
-//! `Linear`, `Sequential` and `Relu`.
+//! `Linear` (PyTorch's `nn.Linear`).
 
 use super::{Init, Module, Path};
 use crate::error::Result;
@@ -38,60 +38,5 @@ impl Linear {
 impl Module for Linear {
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         x.linear(&self.weight, self.bias.as_ref())
-    }
-}
-
-/// The rectifier `max(x, 0)`.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Relu;
-
-impl Module for Relu {
-    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
-        x.relu()
-    }
-}
-
-/// Modules applied in order.
-#[derive(Default)]
-pub struct Sequential {
-    layers: Vec<Box<dyn Module>>,
-}
-
-impl Sequential {
-    /// An empty sequence.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Appends a module.
-    #[allow(clippy::should_implement_trait)]
-    pub fn add(mut self, m: impl Module + 'static) -> Self {
-        self.layers.push(Box::new(m));
-        self
-    }
-
-    /// Appends a boxed module.
-    pub fn push(&mut self, m: Box<dyn Module>) {
-        self.layers.push(m);
-    }
-
-    /// Number of modules.
-    pub fn len(&self) -> usize {
-        self.layers.len()
-    }
-
-    /// No modules?
-    pub fn is_empty(&self) -> bool {
-        self.layers.is_empty()
-    }
-}
-
-impl Module for Sequential {
-    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let mut h = x.clone();
-        for l in &self.layers {
-            h = l.forward_t(&h, train)?;
-        }
-        Ok(h)
     }
 }

@@ -10,6 +10,8 @@ mod attention;
 pub mod functional;
 mod layers;
 mod linear;
+mod relu;
+mod sequential;
 mod store;
 
 pub use attention::{Activation, EncoderLayerConfig, MultiheadAttention, TransformerEncoderLayer};
@@ -18,7 +20,9 @@ pub use layers::{
     Func, Gelu, Hardsigmoid, Hardswish, Identity, LayerNorm, LeakyRelu, MaxPool2d, Relu6, Sigmoid,
     Silu, Tanh,
 };
-pub use linear::{Linear, Relu, Sequential};
+pub use linear::Linear;
+pub use relu::Relu;
+pub use sequential::Sequential;
 pub use store::{Init, ParamStore, Path};
 
 use crate::error::Result;

@@ -52,6 +52,37 @@ pub trait Optimizer: Send + Sync {
     ) -> Result<()>;
 }
 
+/// A boxed optimizer is an optimizer (so one chosen at run time, e.g. by name, can be passed
+/// where an `impl Optimizer` is expected).
+impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
+    fn state_shapes(&self, param: &TensorType) -> Vec<(&'static str, TensorType)> {
+        (**self).state_shapes(param)
+    }
+
+    fn update(
+        &self,
+        g: &mut Graph,
+        param: NodeId,
+        grad: NodeId,
+        state: &[NodeId],
+        lr: NodeId,
+        step: NodeId,
+    ) -> Result<(NodeId, Vec<NodeId>)> {
+        (**self).update(g, param, grad, state, lr, step)
+    }
+
+    fn update_eager(
+        &self,
+        param: &tch::Tensor,
+        grad: &tch::Tensor,
+        state: &mut [tch::Tensor],
+        lr: f64,
+        step: u64,
+    ) -> Result<()> {
+        (**self).update_eager(param, grad, state, lr, step)
+    }
+}
+
 /// A whole optimizer graph.
 ///
 /// Inputs: `params` (kind [`InputKind::Parameter`], named `param{i}`) ++ one gradient per

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 /// Removes nodes that no output depends on. Inputs are kept (their positions are part of the
 /// graph's signature); removing unused inputs is the caller's decision
-/// ([`Graph::retain_inputs`]).
+/// (`Graph::retain_inputs`, crate-internal).
 pub struct Dce;
 
 impl Dce {

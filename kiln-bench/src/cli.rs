@@ -1,16 +1,16 @@
-//! The benchmark's command line (the `bench` example, and the `main` of user-model scratch
-//! crates). `cargo run --release --example bench -- --help` explains every flag.
+//! The benchmark's command line (the `kiln-bench` binary, and the `main` of user-model scratch
+//! crates). `cargo run --release -p kiln-bench -- --help` explains every flag.
 
-use super::user::{forward_args, run_user_model, ModelSpec};
+use super::user::{forward_args, run_user_model, ModelSpec, Workspace};
 use super::{
     default_models, run_sources, BackendRegistry, BenchOptions, Experiment, ModelSource,
     TrainGraphs,
 };
-use crate::compile::TraceMode;
 use crate::error::{Error, Result};
-use crate::nn::ParamStore;
-use crate::zoo::{self, Model};
 use clap::{Parser, ValueEnum};
+use kiln::compile::TraceMode;
+use kiln::nn::ParamStore;
+use kiln::zoo::{self, Model};
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -43,15 +43,19 @@ kiln's eager graph interpreter (libtorch draws other masks), marked `vs graph in
 
 User models: --only path:FILE,class:NAME builds a scratch crate that includes FILE (a Rust file
 defining `NAME: kiln::zoo::Model` with `fn new(store: &kiln::nn::ParamStore) ->
-kiln::Result<NAME>`), sharing kiln's target directory, and runs it with the other flags. See
+kiln::Result<NAME>`; relative to the current directory), depending on kiln and kiln-bench in
+kiln's workspace and sharing its target directory, and runs it with the other flags. The
+workspace is --workspace DIR, else $KILN_BENCH_WORKSPACE, else the directory above this binary
+(<workspace>/target/release/kiln-bench) or above the current directory. See
 benches/user_models/linear_model.rs.
 
 Examples:
-  cargo run --release --example bench                         # default subset, inference
-  cargo run --release --example bench -- --training           # default subset, training
-  cargo run --release --example bench -- --only resnet18,bert --repeat 5 --csv out.csv
-  cargo run --release --example bench -- --accuracy --all
-  cargo run --release --example bench -- --only path:my_model.rs,class:MyModel --backend eager";
+  cargo run --release -p kiln-bench                           # default subset, inference
+  cargo run --release -p kiln-bench -- --training             # default subset, training
+  cargo run --release -p kiln-bench -- --only resnet18,bert --repeat 5 --csv out.csv
+  cargo run --release -p kiln-bench -- --accuracy --all
+  cargo run --release -p kiln-bench -- --only path:my_model.rs,class:MyModel --backend eager
+  target/release/kiln-bench --only path:my_model.rs,class:MyModel   # from any directory";
 
 /// kiln's benchmark harness: eager (libtorch) against compiled (trace once / trace every call)
 /// on the model zoo or on your own model, with the seeds' method and table.
@@ -72,7 +76,7 @@ pub struct Cli {
     pub training: bool,
 
     /// The compiled backend: `xla` (PJRT), `eager` (kiln's graph interpreter on libtorch), or a
-    /// name registered through kiln::bench::BackendRegistry.
+    /// name registered through kiln::backend::registry::BackendRegistry.
     #[arg(long, default_value = "xla", value_name = "NAME")]
     pub backend: String,
 
@@ -150,6 +154,12 @@ pub struct Cli {
     /// List the zoo, the default subset and the backends, then exit.
     #[arg(long)]
     pub list: bool,
+
+    /// kiln's workspace (the directory with kiln's Cargo.toml and kiln-bench/), which
+    /// `--only path:` models are built against. Default: $KILN_BENCH_WORKSPACE, else found
+    /// above this binary or the current directory.
+    #[arg(long, value_name = "DIR")]
+    pub workspace: Option<PathBuf>,
 }
 
 impl Cli {
@@ -231,7 +241,7 @@ fn list(registry: &BackendRegistry) {
     println!("backends: {}", registry.names().join(", "));
 }
 
-/// The `bench` example's `main`: the zoo (or `--only path:`) with the built-in backends.
+/// The `kiln-bench` binary's `main`: the zoo (or `--only path:`) with the built-in backends.
 pub fn main() -> ExitCode {
     main_with(BackendRegistry::with_builtins())
 }
@@ -254,7 +264,8 @@ pub fn run_cli(cli: &Cli, args: &[OsString], registry: &BackendRegistry) -> Resu
     registry.get(&cli.backend)?;
     let names: Vec<String> = match cli.only.as_deref().map(ModelSpec::parse).transpose()? {
         Some(ModelSpec::User(spec)) => {
-            let status = run_user_model(&spec, &forward_args(args))?;
+            let workspace = Workspace::locate(cli.workspace.as_deref())?;
+            let status = run_user_model(&spec, &workspace, &forward_args(args))?;
             return Ok(match status.code() {
                 Some(0) => ExitCode::SUCCESS,
                 Some(c) => ExitCode::from(u8::try_from(c).unwrap_or(1)),
@@ -289,11 +300,11 @@ pub fn run_cli(cli: &Cli, args: &[OsString], registry: &BackendRegistry) -> Resu
     report_and_exit(cli, sources, registry)
 }
 
-/// The `main` of a user-model scratch crate (see [`crate::bench::user`]): benchmarks the one
+/// The `main` of a user-model scratch crate (see [`crate::user`]): benchmarks the one
 /// model `make` builds (named `class` if it fails to build), with the command-line flags.
 pub fn user_main<F>(class: &str, make: F) -> ExitCode
 where
-    F: FnOnce(&ParamStore) -> Result<Box<dyn Model>> + 'static,
+    F: FnOnce(&ParamStore) -> kiln::Result<Box<dyn Model>> + 'static,
 {
     let cli = Cli::parse();
     if cli.only.is_some() || cli.all {

@@ -1,19 +1,19 @@
 //! The measurement loop shared by inference and training (see the module docs of
-//! [`crate::bench`]).
+//! [`crate`]).
 
 use super::accuracy::{
     compare, compare_updates, Accuracy, AccuracyStatus, Reference, Tolerance, UPDATE_RTOL,
 };
-use super::registry::BackendEntry;
 use super::report::{ModelRow, Report, VariantResult};
 use super::stats::{median, welch_t_test};
-use super::SharedModel;
 use super::{default_batch_size, infer, train, BenchOptions, Experiment, ModelSource, Variant};
 use crate::error::Result;
-use crate::runtime::Stats;
-use crate::trace::Tensor;
-use crate::zoo::Model;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kiln::backend::registry::BackendEntry;
+use kiln::runtime::Stats;
+use kiln::zoo::Model;
+use kiln::zoo::SharedModel;
+use kiln::Tensor;
 use std::time::Instant;
 
 /// Something timed against eager: an eager baseline or a compiled variant.
@@ -89,7 +89,7 @@ pub(crate) const UPDATE_NOISE_FACTOR: f64 = 5.0;
 
 /// `inputs` with every float element multiplied by `1 + 1e-7·ξ` (ξ standard normal, seeded):
 /// a change the size of float32 rounding. Integer inputs are kept.
-fn perturbed(inputs: &[Tensor], seed: u64) -> Result<Vec<Tensor>> {
+fn perturbed(inputs: &[Tensor], seed: u64) -> kiln::Result<Vec<Tensor>> {
     inputs
         .iter()
         .enumerate()
@@ -113,7 +113,7 @@ fn noise(a: &Option<Vec<tch::Tensor>>, b: &Option<Vec<tch::Tensor>>) -> Option<f
 }
 
 /// Draws fresh float inputs like `base` (integer inputs are kept, as in the seeds).
-fn randomized(base: &[Tensor], seed: u64) -> Result<Vec<Tensor>> {
+fn randomized(base: &[Tensor], seed: u64) -> kiln::Result<Vec<Tensor>> {
     base.iter()
         .enumerate()
         .map(|(i, t)| {
@@ -186,7 +186,7 @@ fn units_per_model(opts: &BenchOptions, variants: usize) -> u64 {
         }
 }
 
-fn error_text(e: &crate::Error) -> String {
+fn error_text(e: &dyn std::fmt::Display) -> String {
     e.to_string()
 }
 
@@ -495,7 +495,7 @@ fn bench_model_inner(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::DType;
+    use kiln::ir::DType;
 
     #[test]
     fn randomized_keeps_integer_inputs() {

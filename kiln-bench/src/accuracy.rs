@@ -93,7 +93,7 @@ impl std::fmt::Display for AccuracyStatus {
 pub enum Reference {
     /// The eager baseline (libtorch).
     Eager,
-    /// kiln's graph interpreter ([`crate::backend::eager::EagerBackend`]), used when libtorch
+    /// kiln's graph interpreter ([`kiln::backend::eager::EagerBackend`]), used when libtorch
     /// eager does not repeat itself: training a model with dropout, whose masks libtorch draws
     /// from its own generator while every kiln backend draws them from the same threefry key.
     GraphInterpreter,

@@ -1,15 +1,16 @@
 //! The benchmark harness end to end: the library on the zoo's linear model (rows, columns,
 //! CSV), and `--only path:FILE,class:NAME` on model files written outside the repository.
 
-use kiln::bench::user::{run_user_model, ModelSpec, UserModelSpec};
-use kiln::bench::{
-    run_benchmark, run_sources, BackendRegistry, BenchOptions, Experiment, ModelSource,
-};
 use kiln::compile::TraceMode;
 use kiln::zoo;
 use kiln::Tensor;
+use kiln_bench::user::{run_user_model, ModelSpec, UserModelSpec, Workspace, WORKSPACE_ENV};
+use kiln_bench::{
+    run_benchmark, run_sources, BackendRegistry, BenchOptions, Experiment, ModelSource,
+};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 fn quick() -> BenchOptions {
     BenchOptions {
@@ -315,7 +316,7 @@ fn training_check_catches_wrong_updates() {
         training: true,
         experiment: Experiment::Accuracy,
         modes: vec![TraceMode::Once],
-        train_graphs: vec![kiln::bench::TrainGraphs::Fused],
+        train_graphs: vec![kiln_bench::TrainGraphs::Fused],
         lr: 1e-4,
         ..quick()
     };
@@ -344,8 +345,17 @@ impl Drop for TempDir {
 }
 
 fn linear_model_source() -> String {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/user_models/linear_model.rs");
+    let p = workspace_root().join("benches/user_models/linear_model.rs");
     std::fs::read_to_string(p).unwrap()
+}
+
+/// The workspace this test was built in (kiln-bench's parent).
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .canonicalize()
+        .unwrap()
 }
 
 fn args(a: &[&str]) -> Vec<OsString> {
@@ -365,13 +375,15 @@ fn user_model_file_outside_the_repository() {
         path: dir.0.join("missing.rs"),
         class: "LinearModel".into(),
     };
-    let e = run_user_model(&missing, &[]).unwrap_err().to_string();
+    let ws = Workspace::locate(None).unwrap();
+    assert_eq!(ws.root, workspace_root());
+    let e = run_user_model(&missing, &ws, &[]).unwrap_err().to_string();
     assert!(e.contains("does not exist"), "{e}");
     let spec = format!("path:{},class:LinearModl", file.display());
     let ModelSpec::User(typo) = ModelSpec::parse(&spec).unwrap() else {
         panic!("not a user spec")
     };
-    let e = run_user_model(&typo, &[]).unwrap_err().to_string();
+    let e = run_user_model(&typo, &ws, &[]).unwrap_err().to_string();
     assert!(
         e.contains("no `struct LinearModl`") && e.contains("LinearModel"),
         "{e}"
@@ -386,6 +398,7 @@ fn user_model_file_outside_the_repository() {
     };
     let status = run_user_model(
         &good,
+        &ws,
         &args(&[
             "--repeat",
             "2",
@@ -416,10 +429,75 @@ fn user_model_file_outside_the_repository() {
         path: broken.clone(),
         class: "LinearModel".into(),
     };
-    let e = run_user_model(&bad, &args(&["--quiet"]))
+    let e = run_user_model(&bad, &ws, &args(&["--quiet"]))
         .unwrap_err()
         .to_string();
     assert!(e.contains("compiling") && e.contains("failed"), "{e}");
     assert!(e.contains("error[E0061]"), "{e}");
     assert!(e.contains("broken.rs"), "{e}");
+}
+
+/// The command line from another directory: a relative `path:` is resolved against the current
+/// directory, and the workspace is found from the binary's location, or given with
+/// `--workspace` / `$KILN_BENCH_WORKSPACE` to a binary outside it (with a clear error without).
+#[test]
+fn cli_from_another_directory() {
+    let dir = TempDir::new("user-model-cli");
+    std::fs::write(dir.0.join("my_model.rs"), linear_model_source()).unwrap();
+    let bench = |exe: &Path| {
+        let mut c = Command::new(exe);
+        c.current_dir(&dir.0).env_remove(WORKSPACE_ENV).args([
+            "--only",
+            "path:my_model.rs,class:LinearModel",
+            "--repeat",
+            "2",
+            "--warmup",
+            "1",
+            "--quiet",
+            "--mode",
+            "once",
+        ]);
+        c
+    };
+    let exe = Path::new(env!("CARGO_BIN_EXE_kiln-bench"));
+    let out = bench(exe).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("| LinearModel"), "{stdout}");
+
+    // A copy of the binary outside the workspace, run outside it: nothing to find.
+    let copy = dir.0.join("kiln-bench");
+    std::fs::copy(exe, &copy).unwrap();
+    let out = bench(&copy).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("cannot find kiln's workspace")
+            && stderr.contains("--workspace DIR")
+            && stderr.contains(WORKSPACE_ENV),
+        "{stderr}"
+    );
+    // Told where it is, it builds there.
+    let out = bench(&copy)
+        .arg("--workspace")
+        .arg(workspace_root())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A wrong override is reported as such.
+    let out = bench(&copy).env(WORKSPACE_ENV, &dir.0).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(WORKSPACE_ENV) && stderr.contains("is not kiln's workspace"),
+        "{stderr}"
+    );
 }

@@ -1,21 +1,26 @@
-//! The benchmark harness: the seeds' `torchbench.py` for kiln.
+//! kiln's benchmark harness: the seeds' `torchbench.py` for kiln.
 //!
 //! It runs models eagerly (libtorch, the baseline) and compiled on a backend, in one or more
 //! *variants* (trace once / trace every call; for training also split / fused graphs), and
 //! reports per model the speedup of each variant over eager, eager's time per iteration, the
-//! compile time and an accuracy check. The `bench` example is its command line; this module is
-//! the library underneath, so your own binary can bench your own models in a few lines:
+//! compile time and an accuracy check. The `kiln-bench` binary is its command line
+//! (`cargo run --release -p kiln-bench -- --help`); this crate is the library underneath, so
+//! your own binary can bench your own models in a few lines:
 //!
 //! ```no_run
-//! use kiln::bench::{run_benchmark, BenchOptions};
 //! use kiln::zoo;
+//! use kiln_bench::{run_benchmark, BenchOptions};
 //!
 //! let models = vec![zoo::build("linear", 0)?];
 //! let report = run_benchmark(models, &BenchOptions::default())?;
 //! println!("{report}");
 //! report.write_csv("linear.csv")?;
-//! # Ok::<(), kiln::Error>(())
+//! # Ok::<(), kiln_bench::Error>(())
 //! ```
+//!
+//! Backends are picked by name from a [`BackendRegistry`] (kiln's
+//! [`kiln::backend::registry`]): `--backend xla` (default) or `eager`, or your own through
+//! [`cli::main_with`].
 //!
 //! # Method (the seeds' `speedup_experiment`)
 //!
@@ -41,8 +46,8 @@
 
 mod accuracy;
 pub mod cli;
+mod error;
 mod infer;
-mod registry;
 mod report;
 mod runner;
 pub mod stats;
@@ -52,14 +57,13 @@ pub mod user;
 pub use accuracy::{
     compare, Accuracy, AccuracyStatus, Reference, Tolerance, NORM_RTOL, UPDATE_RTOL,
 };
-pub use registry::{BackendEntry, BackendRegistry};
+pub use error::{Error, Result};
+pub use kiln::backend::registry::{BackendEntry, BackendRegistry};
 pub use report::{Column, ModelRow, Report, VariantResult};
 pub use user::{ModelSpec, UserModelSpec};
 
-use crate::compile::TraceMode;
-use crate::error::{Error, Result};
-pub(crate) use crate::zoo::SharedModel;
-use crate::zoo::{self, Model};
+use kiln::compile::TraceMode;
+use kiln::zoo::{self, Model};
 
 /// What a run measures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -270,14 +274,14 @@ pub fn default_models() -> Vec<&'static str> {
 /// memory at a time (the whole zoo at once would not fit everywhere).
 pub struct ModelSource {
     name: String,
-    build: Box<dyn FnOnce() -> Result<Box<dyn Model>>>,
+    build: Box<dyn FnOnce() -> kiln::Result<Box<dyn Model>>>,
 }
 
 impl ModelSource {
     /// A model built by `build` when its turn comes; `name` labels its row if building fails.
     pub fn new(
         name: impl Into<String>,
-        build: impl FnOnce() -> Result<Box<dyn Model>> + 'static,
+        build: impl FnOnce() -> kiln::Result<Box<dyn Model>> + 'static,
     ) -> Self {
         ModelSource {
             name: name.into(),
@@ -302,7 +306,7 @@ impl ModelSource {
         &self.name
     }
 
-    fn build(self) -> Result<Box<dyn Model>> {
+    fn build(self) -> kiln::Result<Box<dyn Model>> {
         (self.build)()
     }
 }

@@ -5,7 +5,7 @@ use super::runner::UPDATE_NOISE_FACTOR;
 use super::stats::{geomean, SAME_THRESHOLD};
 use super::{Experiment, Variant};
 use crate::error::{Error, Result};
-use crate::runtime::Stats;
+use kiln::runtime::Stats;
 use std::path::Path;
 
 /// One variant (column) of one model.

@@ -3,7 +3,7 @@
 //! # The file
 //!
 //! A Rust source file (no `fn main`, no `//!` inner doc comments) that defines a type `NAME`
-//! implementing [`crate::zoo::Model`] and a constructor
+//! implementing [`kiln::zoo::Model`] and a constructor
 //! `fn new(store: &kiln::nn::ParamStore) -> kiln::Result<NAME>` that creates its parameters in
 //! `store` (seeded by `--seed`). The seeds' `LinearModel`:
 //!
@@ -44,19 +44,25 @@
 //! The harness checks that the file exists and defines `NAME`, then writes a scratch crate
 //! under `<target dir>/kiln-user-models/<hash>/` whose `main.rs` `include!`s the file (by its
 //! absolute path; a relative `FILE` is resolved against the current directory) and calls
-//! [`crate::bench::cli::user_main`]. It builds that crate with cargo, sharing kiln's target
-//! directory and lock file, and runs it with the remaining flags. A compile error in the file
-//! is reported with the compiler's message.
+//! [`crate::cli::user_main`]. The crate depends on `kiln` and `kiln-bench` by path, in kiln's
+//! workspace as found when the harness runs ([`Workspace::locate`]: `--workspace DIR`, else
+//! `$KILN_BENCH_WORKSPACE`, else above the running binary or the current directory). It builds
+//! that crate with cargo, sharing the workspace's target directory and lock file, and runs it
+//! with the remaining flags. A compile error in the file is reported with the compiler's
+//! message.
 //!
 //! Build cost: kiln's dependencies (libtorch bindings included) are reused as they are. kiln
-//! itself is compiled once more the first time any user model is built (about a minute on 2
-//! cores): cargo keys a path dependency's build by the workspace it is built from, and every
-//! scratch crate shares that second build. After that, a new or edited model file costs a few
-//! seconds.
+//! and kiln-bench themselves are compiled once more the first time any user model is built
+//! (about a minute on 2 cores): cargo keys a path dependency's build by the workspace it is
+//! built from, and every scratch crate shares that second build. After that, a new or edited
+//! model file costs a few seconds. cargo runs in the workspace's root, so its
+//! `.cargo/config.toml` applies as it does to the workspace's own builds: a `LIBTORCH` exported
+//! when the workspace was built must be exported for the harness too (another value rebuilds
+//! the libtorch bindings, minutes).
 
 use crate::error::{Error, Result};
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 
 /// What `--only` selects.
@@ -245,14 +251,7 @@ fn tokens(src: &str) -> Vec<String> {
 impl UserModelSpec {
     /// The file's absolute path (a relative one is resolved against the current directory).
     pub fn absolute_path(&self) -> Result<PathBuf> {
-        let p = if self.path.is_absolute() {
-            self.path.clone()
-        } else {
-            std::env::current_dir()
-                .map_err(|e| Error::io(".", e))?
-                .join(&self.path)
-        };
-        Ok(p.canonicalize().unwrap_or(p))
+        absolute(&self.path)
     }
 
     /// Checks that the file exists and defines the class; returns its absolute path.
@@ -319,31 +318,131 @@ pub fn forward_args(args: &[OsString]) -> Vec<OsString> {
     out
 }
 
-/// Where kiln's sources are (the path dependency of scratch crates).
-pub fn kiln_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+/// The environment variable naming kiln's workspace, for a binary that does not sit in the
+/// workspace's target directory (the `--workspace` flag takes precedence).
+pub const WORKSPACE_ENV: &str = "KILN_BENCH_WORKSPACE";
+
+/// kiln's workspace, found when the harness runs (not where it was built): scratch crates
+/// depend on its `kiln` and `kiln-bench` by path and copy its lock file and profiles.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Workspace {
+    /// The root directory: kiln's `Cargo.toml`, with `kiln-bench/` inside.
+    pub root: PathBuf,
 }
 
-/// The cargo target directory to share: `CARGO_TARGET_DIR`, else the one the running binary
-/// was built in (found from its path), else kiln's `target/`.
-pub fn target_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("CARGO_TARGET_DIR") {
-        let d = PathBuf::from(d);
-        if d.is_absolute() {
-            return d;
-        }
-        if let Ok(cwd) = std::env::current_dir() {
-            return cwd.join(d);
-        }
-    }
-    if let Ok(exe) = std::env::current_exe() {
-        for dir in exe.ancestors().skip(1) {
-            if dir.join("CACHEDIR.TAG").exists() && dir.join("release").is_dir() {
-                return dir.to_path_buf();
+/// Is `manifest` (a `Cargo.toml`'s text) the manifest of the package `kiln`?
+fn is_kiln_manifest(manifest: &str) -> bool {
+    let mut in_package = false;
+    for line in manifest.lines() {
+        let t = line.trim();
+        if t.starts_with('[') {
+            in_package = t == "[package]";
+        } else if in_package {
+            if let Some((key, value)) = t.split_once('=') {
+                if key.trim() == "name" {
+                    return value.trim() == "\"kiln\"";
+                }
             }
         }
     }
-    kiln_dir().join("target")
+    false
+}
+
+impl Workspace {
+    /// Is `dir` the root of kiln's workspace (kiln's manifest, and `kiln-bench/Cargo.toml`)?
+    pub fn is_root(dir: &Path) -> bool {
+        dir.join("kiln-bench").join("Cargo.toml").is_file()
+            && std::fs::read_to_string(dir.join("Cargo.toml")).is_ok_and(|m| is_kiln_manifest(&m))
+    }
+
+    /// The workspace at `dir`, or an error saying what is missing there.
+    pub fn at(dir: &Path) -> Result<Workspace> {
+        let abs = absolute(dir)?;
+        if Self::is_root(&abs) {
+            Ok(Workspace { root: abs })
+        } else {
+            Err(Error::Invalid(format!(
+                "{} is not kiln's workspace: it needs kiln's Cargo.toml and kiln-bench/Cargo.toml",
+                abs.display()
+            )))
+        }
+    }
+
+    /// Finds the workspace: `explicit` (the `--workspace` flag), else `$KILN_BENCH_WORKSPACE`,
+    /// else the nearest ancestor of the running binary (`<workspace>/target/release/...`), else
+    /// of the current directory.
+    pub fn locate(explicit: Option<&Path>) -> Result<Workspace> {
+        if let Some(dir) = explicit {
+            return Self::at(dir)
+                .map_err(|e| Error::Invalid(format!("--workspace {}: {e}", dir.display())));
+        }
+        if let Some(dir) = std::env::var_os(WORKSPACE_ENV) {
+            let dir = PathBuf::from(dir);
+            return Self::at(&dir)
+                .map_err(|e| Error::Invalid(format!("{WORKSPACE_ENV}={}: {e}", dir.display())));
+        }
+        let exe = std::env::current_exe().ok();
+        let cwd = std::env::current_dir().ok();
+        for start in exe.iter().chain(cwd.iter()) {
+            let start = start.canonicalize().unwrap_or_else(|_| start.clone());
+            if let Some(root) = start.ancestors().find(|d| Self::is_root(d)) {
+                return Ok(Workspace {
+                    root: root.to_path_buf(),
+                });
+            }
+        }
+        let shown = |p: Option<PathBuf>| {
+            p.map(|p| p.display().to_string())
+                .unwrap_or_else(|| "?".into())
+        };
+        Err(Error::Invalid(format!(
+            "cannot find kiln's workspace (the directory with kiln's Cargo.toml and \
+             kiln-bench/), which user models are built against: it is not above the running \
+             binary ({}) nor the current directory ({}); pass --workspace DIR or set \
+             {WORKSPACE_ENV}=DIR",
+            shown(exe),
+            shown(cwd)
+        )))
+    }
+
+    /// The `kiln-bench` crate's directory.
+    pub fn bench_dir(&self) -> PathBuf {
+        self.root.join("kiln-bench")
+    }
+
+    /// The cargo target directory to share: `CARGO_TARGET_DIR`, else the one the running
+    /// binary was built in (found from its path), else the workspace's `target/`.
+    pub fn target_dir(&self) -> PathBuf {
+        if let Some(d) = std::env::var_os("CARGO_TARGET_DIR") {
+            let d = PathBuf::from(d);
+            if d.is_absolute() {
+                return d;
+            }
+            if let Ok(cwd) = std::env::current_dir() {
+                return cwd.join(d);
+            }
+        }
+        if let Ok(exe) = std::env::current_exe() {
+            for dir in exe.ancestors().skip(1) {
+                if dir.join("CACHEDIR.TAG").exists() && dir.join("release").is_dir() {
+                    return dir.to_path_buf();
+                }
+            }
+        }
+        self.root.join("target")
+    }
+}
+
+/// `p` made absolute against the current directory (and canonical where it exists).
+fn absolute(p: &Path) -> Result<PathBuf> {
+    let p = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .map_err(|e| Error::io(".", e))?
+            .join(p)
+    };
+    Ok(p.canonicalize().unwrap_or(p))
 }
 
 /// The scratch crate for `spec` (not yet written).
@@ -359,17 +458,24 @@ pub struct ScratchCrate {
     pub source: PathBuf,
     /// The type to benchmark.
     pub class: String,
+    /// kiln's workspace, whose `kiln` and `kiln-bench` the crate depends on.
+    pub workspace: Workspace,
 }
 
 impl ScratchCrate {
-    /// Lays out the scratch crate of a checked spec (see [`UserModelSpec::check`]).
-    pub fn new(source: PathBuf, class: &str, target_dir: PathBuf) -> Self {
+    /// Lays out the scratch crate of a checked spec (see [`UserModelSpec::check`]) in the
+    /// target directory `workspace` shares.
+    pub fn new(source: PathBuf, class: &str, workspace: &Workspace) -> Self {
+        let target_dir = workspace.target_dir();
         let mut h = blake3::Hasher::new();
+        // The crate's layout changed when the harness left kiln: new directories, so that no
+        // older scratch crate's lock file is reused.
+        h.update(b"kiln-bench\0");
         h.update(source.to_string_lossy().as_bytes());
         h.update(b"\0");
         h.update(class.as_bytes());
         h.update(b"\0");
-        h.update(kiln_dir().to_string_lossy().as_bytes());
+        h.update(workspace.root.to_string_lossy().as_bytes());
         let hex = h.finalize().to_hex();
         let short = &hex.as_str()[..16];
         ScratchCrate {
@@ -378,6 +484,7 @@ impl ScratchCrate {
             target_dir,
             source,
             class: class.to_string(),
+            workspace: workspace.clone(),
         }
     }
 
@@ -388,7 +495,7 @@ impl ScratchCrate {
 
     fn manifest(&self) -> String {
         let kiln_manifest =
-            std::fs::read_to_string(kiln_dir().join("Cargo.toml")).unwrap_or_default();
+            std::fs::read_to_string(self.workspace.root.join("Cargo.toml")).unwrap_or_default();
         format!(
             "# Generated by kiln's benchmark harness for {source}, class {class}. Do not edit.\n\
              [package]\n\
@@ -402,6 +509,7 @@ impl ScratchCrate {
              path = \"main.rs\"\n\n\
              [dependencies]\n\
              kiln = {{ path = {kiln:?} }}\n\
+             kiln-bench = {{ path = {bench:?} }}\n\
              tch = \"0.26\"\n\n\
              # Its own workspace, whatever encloses the target directory.\n\
              [workspace]\n\n\
@@ -409,7 +517,8 @@ impl ScratchCrate {
             source = self.source.display(),
             class = self.class,
             package = self.package,
-            kiln = kiln_dir().to_string_lossy(),
+            kiln = self.workspace.root.to_string_lossy(),
+            bench = self.workspace.bench_dir().to_string_lossy(),
             profiles = profile_sections(&kiln_manifest),
         )
     }
@@ -420,7 +529,7 @@ impl ScratchCrate {
              #![allow(dead_code, unused_imports)]\n\n\
              include!({source:?});\n\n\
              fn main() -> std::process::ExitCode {{\n    \
-                 kiln::bench::cli::user_main(\"{class}\", |store: &kiln::nn::ParamStore| -> kiln::Result<Box<dyn kiln::zoo::Model>> {{\n        \
+                 kiln_bench::cli::user_main(\"{class}\", |store: &kiln::nn::ParamStore| -> kiln::Result<Box<dyn kiln::zoo::Model>> {{\n        \
                      Ok(Box::new({class}::new(store)?))\n    \
                  }})\n\
              }}\n",
@@ -455,10 +564,10 @@ impl ScratchCrate {
         write("Cargo.toml", self.manifest())?;
         write("main.rs", self.main_rs())?;
         write("build.rs", Self::build_rs())?;
-        // kiln's lock file pins the same dependency versions kiln was built with.
+        // The workspace's lock file pins the same dependency versions kiln was built with.
         let lock = self.dir.join("Cargo.lock");
         if !lock.exists() {
-            let kiln_lock = kiln_dir().join("Cargo.lock");
+            let kiln_lock = self.workspace.root.join("Cargo.lock");
             if kiln_lock.exists() {
                 std::fs::copy(&kiln_lock, &lock).map_err(|e| Error::io(&lock, e))?;
             }
@@ -475,7 +584,11 @@ impl ScratchCrate {
             .arg("--release")
             .arg("--manifest-path")
             .arg(self.dir.join("Cargo.toml"))
-            .current_dir(&self.dir)
+            // From the workspace, so that its `.cargo/config.toml` (LIBTORCH and the PJRT
+            // plugin) applies as it did to the workspace's own build, and cargo reuses the
+            // compiled torch-sys instead of rebuilding it. Variables set in the environment win,
+            // as they do there.
+            .current_dir(&self.workspace.root)
             .env("CARGO_TARGET_DIR", &self.target_dir)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -483,23 +596,6 @@ impl ScratchCrate {
         // The diagnostics are shown as the compiler prints them: in colour on a terminal.
         if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
             cmd.arg("--color").arg("always");
-        }
-        // The settings kiln was built with (from its .cargo/config.toml), so that cargo reuses
-        // the compiled kiln and torch-sys instead of rebuilding them.
-        for (key, value) in [
-            ("LIBTORCH", option_env!("LIBTORCH")),
-            (
-                "LIBTORCH_BYPASS_VERSION_CHECK",
-                option_env!("LIBTORCH_BYPASS_VERSION_CHECK"),
-            ),
-            (
-                "KILN_DEFAULT_PJRT_PLUGIN",
-                option_env!("KILN_DEFAULT_PJRT_PLUGIN"),
-            ),
-        ] {
-            if let (Some(v), None) = (value, std::env::var_os(key)) {
-                cmd.env(key, v);
-            }
         }
         let out = cmd.output().map_err(|e| {
             Error::Invalid(format!(
@@ -573,11 +669,16 @@ fn profile_sections(manifest: &str) -> String {
     out
 }
 
-/// Checks, builds and runs a user model with `args` (the harness's flags without `--only`).
-/// Progress of the build goes to stderr; the benchmark's output is the child's.
-pub fn run_user_model(spec: &UserModelSpec, args: &[OsString]) -> Result<ExitStatus> {
+/// Checks, builds (against `workspace`) and runs a user model with `args` (the harness's
+/// flags without `--only`). Progress of the build goes to stderr; the benchmark's output is the
+/// child's.
+pub fn run_user_model(
+    spec: &UserModelSpec,
+    workspace: &Workspace,
+    args: &[OsString],
+) -> Result<ExitStatus> {
     let source = spec.check()?;
-    let krate = ScratchCrate::new(source, &spec.class, target_dir());
+    let krate = ScratchCrate::new(source, &spec.class, workspace);
     krate.write()?;
     let spinner = indicatif::ProgressBar::new_spinner();
     spinner.set_message(format!(

@@ -1,7 +1,7 @@
 //! Training: one step = forward in training mode, the model's loss (the seeds'
 //! `reduce_to_scalar_loss`, the mean of the output, unless the model says otherwise), backward,
 //! SGD update. Eager steps are [`EagerTrainStep`] (libtorch autograd); compiled steps are
-//! [`TrainStep`]s, split (forward, backward, optimizer executables) or fused (one).
+//! [`kiln::train::TrainStep`]s, split (forward, backward, optimizer executables) or fused (one).
 //!
 //! The accuracy check compares the first step from the same initial parameters: its loss and
 //! its parameter update (see [`super::UPDATE_RTOL`] for why only the first).
@@ -9,19 +9,19 @@
 //! Timed runs of `n` iterations: eager syncs every step (libtorch runs them in order anyway);
 //! compiled runs `n - 1` asynchronous steps and one that reads the loss back.
 
-use super::registry::BackendEntry;
 use super::runner::{Contender, Workload};
-use super::SharedModel;
 use super::{BenchOptions, TrainGraphs, Variant};
-use crate::backend::eager::EagerBackend;
-use crate::backend::{Backend, HostTensor};
-use crate::compile::TraceMode;
 use crate::error::Result;
-use crate::optim::Sgd;
-use crate::runtime::Stats;
-use crate::trace::Tensor;
-use crate::train::{EagerTrainStep, TrainMode, TrainStep};
-use crate::zoo::Model;
+use kiln::backend::eager::EagerBackend;
+use kiln::backend::registry::{BackendEntry, DynBackend, DynTrainStep};
+use kiln::backend::HostTensor;
+use kiln::compile::TraceMode;
+use kiln::optim::Sgd;
+use kiln::runtime::Stats;
+use kiln::train::{EagerTrainStep, TrainMode};
+use kiln::zoo::Model;
+use kiln::zoo::SharedModel;
+use kiln::Tensor;
 
 pub(crate) struct TrainWorkload {
     model: SharedModel,
@@ -53,9 +53,7 @@ impl Workload for TrainWorkload {
 
     fn compiled(&self, backend: &BackendEntry, variant: &Variant) -> Result<Box<dyn Contender>> {
         let graphs = variant.graphs.unwrap_or(TrainGraphs::Split);
-        backend
-            .imp()
-            .training(self.model.clone(), graphs, variant.mode, self.lr)
+        TrainFactory::compiled(backend, self.model.clone(), graphs, variant.mode, self.lr)
     }
 
     fn reset(&self) -> Result<()> {
@@ -99,7 +97,7 @@ impl Workload for TrainWorkload {
         // kiln's graph interpreter draws dropout masks from the same threefry key as every
         // compiled backend, so it is a reference for models that libtorch cannot repeat.
         TrainFactory::compiled(
-            EagerBackend::new(),
+            &EagerBackend::new(),
             self.model.clone(),
             TrainGraphs::Split,
             TraceMode::Once,
@@ -108,7 +106,7 @@ impl Workload for TrainWorkload {
     }
 }
 
-fn loss_fn(model: SharedModel) -> impl Fn(&[Tensor]) -> Result<Tensor> + 'static {
+fn loss_fn(model: SharedModel) -> impl Fn(&[Tensor]) -> kiln::Result<Tensor> + 'static {
     move |xs: &[Tensor]| {
         let out = model.forward(xs, true)?;
         model.loss(&out, xs)
@@ -125,21 +123,25 @@ impl TrainFactory {
         Ok(Box::new(EagerTraining { step }))
     }
 
-    pub(crate) fn compiled<B: Backend>(
-        backend: B,
+    pub(crate) fn compiled(
+        backend: &dyn DynBackend,
         model: SharedModel,
         graphs: TrainGraphs,
         mode: TraceMode,
         lr: f64,
     ) -> Result<Box<dyn Contender>> {
         let store = model.store().clone();
-        let step = TrainStep::new(backend, &store, Sgd::new(), loss_fn(model))?
-            .with_mode(match graphs {
+        let mut step = backend.train_step(
+            &store,
+            Box::new(Sgd::new()),
+            Box::new(loss_fn(model)),
+            match graphs {
                 TrainGraphs::Split => TrainMode::Split,
                 TrainGraphs::Fused => TrainMode::Fused,
-            })
-            .with_trace_mode(mode)
-            .with_lr(lr);
+            },
+            mode,
+        )?;
+        step.set_lr(lr);
         Ok(Box::new(CompiledTraining { step }))
     }
 }
@@ -158,11 +160,11 @@ impl Contender for EagerTraining {
     }
 }
 
-struct CompiledTraining<B: Backend> {
-    step: TrainStep<B>,
+struct CompiledTraining {
+    step: Box<dyn DynTrainStep>,
 }
 
-impl<B: Backend> Contender for CompiledTraining<B> {
+impl Contender for CompiledTraining {
     fn run(&mut self, inputs: &[Tensor], iterations: usize) -> Result<Vec<f64>> {
         if iterations == 0 {
             return Ok(Vec::new());
@@ -178,6 +180,6 @@ impl<B: Backend> Contender for CompiledTraining<B> {
     }
 
     fn sync_to_store(&mut self) -> Result<()> {
-        self.step.sync_to_store()
+        Ok(self.step.sync_to_store()?)
     }
 }
