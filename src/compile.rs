@@ -445,16 +445,18 @@ impl<B: Backend> FnState<B> {
             let k = HostTensor::from_slice(&[2], &[self.seed, draw])?;
             data.push(self.rt.upload(&k)?);
         }
-        let mut values = self.rt.run_plan(&p.plan, &data)?;
+        let values = self.rt.run_plan(&p.plan, &data)?;
         let mut results = Vec::with_capacity(p.results.len());
         for r in &p.results {
             results.push(match *r {
                 ResultSource::Data(d) => inputs[d].clone(),
+                // Several results may be one downloaded value (a function returning the same
+                // value twice): each gets its own tensor.
                 ResultSource::Host(k) => {
                     let h = values.hosts[k]
-                        .take()
+                        .as_ref()
                         .ok_or_else(|| Error::Internal(format!("result {k} not computed")))?;
-                    Tensor::from_host(&h)?
+                    Tensor::from_host(h)?
                 }
             });
         }

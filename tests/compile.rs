@@ -128,6 +128,40 @@ fn cat_of_300_slices_compiles_eager() {
 }
 
 /// A small graph exercising inputs of two kinds, constants, attributes and two outputs.
+/// A function returning one value several times (and a value CSE makes equal to another):
+/// every result is delivered. The executor once handed the shared download to the first
+/// result only ("result 5 not computed").
+fn returns_one_value_twice_on<B: Backend>(backend: B) {
+    let mut f = compile(backend, |xs: &[Tensor]| {
+        let y = xs[0].exp()?;
+        Ok(vec![
+            y.clone(),
+            xs[0].sum_all()?,
+            y,
+            xs[0].sum(&[0, 1], false)?,
+        ])
+    });
+    let x = Tensor::randn(&[3, 4], 5).unwrap();
+    let out = f.run(std::slice::from_ref(&x)).unwrap();
+    assert_eq!(out.len(), 4);
+    let want = x.exp().unwrap().to_f64_vec().unwrap();
+    assert!(close(&out[0].to_f64_vec().unwrap(), &want));
+    assert!(close(&out[2].to_f64_vec().unwrap(), &want));
+    let s = x.sum_all().unwrap().to_f64_vec().unwrap();
+    assert!(close(&out[1].to_f64_vec().unwrap(), &s));
+    assert!(close(&out[3].to_f64_vec().unwrap(), &s));
+}
+
+#[test]
+fn a_value_returned_twice_reaches_both_results_xla() {
+    returns_one_value_twice_on(XlaBackend::new().unwrap());
+}
+
+#[test]
+fn a_value_returned_twice_reaches_both_results_eager() {
+    returns_one_value_twice_on(EagerBackend::new());
+}
+
 fn build(variant: &str) -> Graph {
     let mut g = Graph::new();
     let xs = if variant == "shape" { [2, 4] } else { [2, 3] };
