@@ -2,6 +2,8 @@
 //! semantics) against the traced decomposition into primitives, run on the eager interpreter
 //! and on XLA.
 
+mod common;
+
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::XlaBackend;
 use kiln::nn::{
@@ -9,13 +11,11 @@ use kiln::nn::{
     ParamStore, TransformerEncoderLayer,
 };
 use kiln::{compile, DType, Result, Tensor};
-use std::sync::OnceLock;
 use std::sync::{Arc, Mutex};
 
+/// A handle on the test binary's one XLA backend.
 fn xla() -> XlaBackend {
-    static B: OnceLock<XlaBackend> = OnceLock::new();
-    B.get_or_init(|| XlaBackend::new().expect("PJRT plugin"))
-        .clone()
+    common::xla().clone()
 }
 
 fn close(what: &str, a: &Tensor, b: &Tensor, atol: f64, rtol: f64) {
