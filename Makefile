@@ -9,7 +9,7 @@ bootstrap:
 	@bash scripts/bootstrap.sh
 
 # The main job: the benchmark harness (the workspace's kiln-bench crate) on the zoo's default
-# subset, inference then training (the seeds' tables; CSV copies under target/). `--all` runs
+# subset, inference then training (torchbench.py's tables; CSV copies under target/). `--all` runs
 # the whole zoo; see `cargo run --release -p kiln-bench -- --help`.
 bench: bootstrap
 	cargo run --release -p kiln-bench -- --csv target/bench-inference.csv

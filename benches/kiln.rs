@@ -1,7 +1,7 @@
 //! Micro-benchmarks (criterion): the costs that the harness's table sums up.
 //!
-//! - `replay/*`: one call of the seeds' LinearModel, eager (libtorch) vs compiled XLA replay
-//!   (trace once) vs trace-every-call.
+//! - `replay/*`: one call of torchbench.py's example LinearModel, eager (libtorch) vs compiled
+//!   XLA replay (trace once) vs trace-every-call.
 //! - `trace/*`, `compile/*`: tracing and XLA compilation of a small conv model (resnet18 when
 //!   the zoo has it).
 //! - `fingerprint/*`: the structural graph hash that keys the executable cache.
@@ -32,8 +32,8 @@ fn configured<'a>(
     g
 }
 
-/// The seeds' LinearModel: two Linear(10, 10), input randn(2, 10). Seeded: every call builds
-/// the same model (compiled closures own theirs: they must be `Send`).
+/// torchbench.py's example LinearModel: two Linear(10, 10), input randn(2, 10). Seeded: every
+/// call builds the same model (compiled closures own theirs: they must be `Send`).
 fn linear_model() -> (Sequential, Tensor) {
     let store = ParamStore::with_seed(0);
     let p = store.root().sub("layers");

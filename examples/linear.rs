@@ -1,5 +1,6 @@
-//! The seeds' `LinearModel`: two `Linear(10, 10)` layers on a `randn(2, 10)` input, run eagerly
-//! (libtorch) and compiled to XLA. Prints both outputs, their max abs difference, the compile
+//! The `LinearModel` of PyTorch's `benchmarks/dynamo/torchbench.py` example (pytorch#89028):
+//! two `Linear(10, 10)` layers on a `randn(2, 10)` input, run eagerly (libtorch) and compiled
+//! to XLA. Prints both outputs, their max abs difference, the compile
 //! time and the per-call time of eager vs XLA replay.
 //!
 //! `cargo run --release --example linear`

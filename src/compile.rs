@@ -17,10 +17,10 @@ use std::time::Instant;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TraceMode {
     /// Trace on the first call for each input signature (dtypes and shapes); later calls with
-    /// that signature only bind inputs and replay (the seeds' "trace once").
+    /// that signature only bind inputs and replay (torch_xla's dynamo "trace once" bridge).
     Once,
     /// Trace on every call, fingerprint the graph and look the executable up by fingerprint
-    /// (the seeds' "trace every time", lazy-tensor style). Compiles once per distinct graph.
+    /// (torch_xla's "trace everytime", lazy-tensor style). Compiles once per distinct graph.
     EveryCall,
 }
 

@@ -4,9 +4,11 @@
 //!
 //! Measured errors are printed (`cargo test --release --test autograd -- --nocapture`).
 
+mod common;
+
+use common::{floats, rel_err, run, xla, SplitMix64};
 use kiln::autograd::{joint, partition, BackwardInput, Builder, SavePolicy, Split};
 use kiln::backend::eager::{eval_op, EagerBackend};
-use kiln::backend::xla::XlaBackend;
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{
     BinaryOp, CompareOp, ConvAttrs, DType, DotDims, Graph, InputKind, Literal, NodeId, Op,
@@ -15,76 +17,23 @@ use kiln::ir::{
 use kiln::passes::{dedup_outputs, Dce, OutputSource, Pass};
 use kiln::Result;
 use std::collections::{HashMap, HashSet};
-use std::sync::OnceLock;
 
 // ----- helpers ----------------------------------------------------------------------------
 
-fn xla() -> &'static XlaBackend {
-    static X: OnceLock<XlaBackend> = OnceLock::new();
-    X.get_or_init(|| XlaBackend::new().expect("PJRT CPU plugin"))
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn normal(&mut self) -> f64 {
-        let u1 = 1.0 - self.uniform();
-        let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    }
-}
-
 fn randn(shape: &[usize], seed: u64) -> HostTensor {
-    let mut r = Rng(seed);
-    let n: usize = shape.iter().product();
-    let v: Vec<f64> = (0..n).map(|_| r.normal()).collect();
-    HostTensor::from_slice(shape, &v).unwrap()
+    let mut r = SplitMix64::raw(seed);
+    floats(shape, DType::F64, || r.normal())
 }
 
 /// Uniform in `[lo, hi)`.
 fn uniform(shape: &[usize], lo: f64, hi: f64, seed: u64) -> HostTensor {
-    let mut r = Rng(seed);
-    let n: usize = shape.iter().product();
-    let v: Vec<f64> = (0..n).map(|_| lo + (hi - lo) * r.uniform()).collect();
-    HostTensor::from_slice(shape, &v).unwrap()
+    let mut r = SplitMix64::raw(seed);
+    floats(shape, DType::F64, || lo + (hi - lo) * r.uniform())
 }
 
 fn to_f32(h: &HostTensor) -> HostTensor {
     let v: Vec<f32> = h.to_f64_vec().iter().map(|&x| x as f32).collect();
     HostTensor::from_slice(h.ty().shape.dims(), &v).unwrap()
-}
-
-fn run<B: Backend>(b: &B, g: &Graph, inputs: &[HostTensor]) -> Vec<HostTensor> {
-    let exe = b
-        .compile(g)
-        .unwrap_or_else(|e| panic!("{} compile: {e}\n{g}", b.name()));
-    let bufs: Vec<B::Buffer> = inputs.iter().map(|h| b.to_device(h).unwrap()).collect();
-    let refs: Vec<&B::Buffer> = bufs.iter().collect();
-    let outs = b
-        .execute(&exe, &refs)
-        .unwrap_or_else(|e| panic!("{} execute: {e}\n{g}", b.name()));
-    outs.iter().map(|o| b.to_host(o).unwrap()).collect()
-}
-
-/// `max |a - b| / max(1, max |b|)`.
-fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
-    assert_eq!(a.ty().shape, b.ty().shape, "shape mismatch");
-    let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
-    let scale = b.iter().fold(1.0f64, |m, x| m.max(x.abs()));
-    a.iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max)
-        / scale
 }
 
 /// Gradients by tch autograd, interpreting `g` node by node with the eager backend's op
@@ -791,7 +740,7 @@ fn vjp_windows() {
     ));
     // Its source transpose with ties (first maximum wins) and with -inf values next to padding
     // (padding never wins): only the source is differentiated, as the selection jumps at ties.
-    let mut r = Rng(31);
+    let mut r = SplitMix64::raw(31);
     let tied: Vec<f64> = (0..2 * 2 * 7 * 6)
         .map(|_| (r.uniform() * 3.0).floor())
         .collect();
@@ -1120,7 +1069,7 @@ fn vjp_conv_matches_torch_conv2d() {
 fn vjp_pooling_matches_torch() {
     // Integer-valued data: many ties inside windows. max_pool2d sends the gradient to the first
     // maximum of each window, and so does kiln (select_and_scatter).
-    let mut r = Rng(5);
+    let mut r = SplitMix64::raw(5);
     let v: Vec<f64> = (0..2 * 3 * 9 * 8)
         .map(|_| (r.uniform() * 4.0).floor())
         .collect();
@@ -1219,10 +1168,10 @@ fn bind(bindings: &[Binding], data: &[HostTensor]) -> Vec<HostTensor> {
 }
 
 fn one_hot(n: usize, classes: usize, seed: u64) -> HostTensor {
-    let mut r = Rng(seed);
+    let mut r = SplitMix64::raw(seed);
     let mut v = vec![0.0f32; n * classes];
     for i in 0..n {
-        v[i * classes + (r.next() % classes as u64) as usize] = 1.0;
+        v[i * classes + (r.next_u64() % classes as u64) as usize] = 1.0;
     }
     HostTensor::from_slice(&[n, classes], &v).unwrap()
 }

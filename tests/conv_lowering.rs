@@ -6,6 +6,9 @@
 //! backend applies the choice as a graph rewrite before fingerprinting, in compiled functions
 //! and training steps.
 
+mod common;
+
+use common::{run, xla};
 use kiln::autograd::vjp;
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::{ConvLowering, ConvStrategy, XlaBackend, XlaOptions};
@@ -16,20 +19,7 @@ use kiln::optim::Sgd;
 use kiln::passes::im2col_graph;
 use kiln::train::TrainStep;
 use kiln::{compile, Tensor};
-use std::sync::{Arc, Mutex, OnceLock};
-
-fn xla() -> &'static XlaBackend {
-    static X: OnceLock<XlaBackend> = OnceLock::new();
-    X.get_or_init(|| XlaBackend::new().expect("the PJRT CPU plugin (run scripts/bootstrap.sh)"))
-}
-
-fn run<B: Backend>(b: &B, g: &Graph, inputs: &[HostTensor]) -> Vec<HostTensor> {
-    let exe = b.compile(g).unwrap_or_else(|e| panic!("compile: {e}"));
-    let bufs: Vec<B::Buffer> = inputs.iter().map(|h| b.to_device(h).unwrap()).collect();
-    let refs: Vec<&B::Buffer> = bufs.iter().collect();
-    let outs = b.execute(&exe, &refs).unwrap();
-    outs.iter().map(|o| b.to_host(o).unwrap()).collect()
-}
+use std::sync::{Arc, Mutex};
 
 fn random(ty: &TensorType, seed: u64) -> HostTensor {
     let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);

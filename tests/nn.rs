@@ -7,6 +7,8 @@
 //! hundred terms; their difference is bounded by about `K * 2^-24` of the terms' magnitude,
 //! below the `atol 1e-5 / rtol 1e-4` used here on any instruction set (`scripts/test_isa.sh`).
 
+mod common;
+
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::XlaBackend;
 use kiln::nn::{
@@ -14,13 +16,11 @@ use kiln::nn::{
     ParamStore, TransformerEncoderLayer,
 };
 use kiln::{compile, DType, Result, Tensor};
-use std::sync::OnceLock;
 use std::sync::{Arc, Mutex};
 
+/// A handle on the test binary's one XLA backend.
 fn xla() -> XlaBackend {
-    static B: OnceLock<XlaBackend> = OnceLock::new();
-    B.get_or_init(|| XlaBackend::new().expect("PJRT plugin"))
-        .clone()
+    common::xla().clone()
 }
 
 fn close(what: &str, a: &Tensor, b: &Tensor, atol: f64, rtol: f64) {

@@ -15,34 +15,19 @@
 //! The second half checks tensor-level compositions (matmul, softmax, ...) eagerly and traced +
 //! compiled with `kiln::compile` on both backends, and runs proptests over random shapes.
 
+mod common;
+
+use common::{floats, host, numel, run_graph, xla, SplitMix64};
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::XlaBackend;
-use kiln::backend::{Backend, Element, HostTensor};
+use kiln::backend::HostTensor;
 use kiln::ir::{
     BinaryOp, CompareOp, ConvAttrs, DType, DotDims, Graph, InputKind, Literal, Op, ReduceKind,
     Shape, TensorType, UnaryOp, WindowAttrs,
 };
 use proptest::prelude::*;
-use std::sync::OnceLock;
 use tch::{Kind, Tensor as T};
 
 // ----- harness ---------------------------------------------------------------------------------
-
-fn xla() -> &'static XlaBackend {
-    static X: OnceLock<XlaBackend> = OnceLock::new();
-    X.get_or_init(|| XlaBackend::new().expect("the PJRT CPU plugin (run scripts/bootstrap.sh)"))
-}
-
-fn run_graph<B: Backend>(b: &B, g: &Graph, inputs: &[HostTensor]) -> kiln::Result<Vec<HostTensor>> {
-    let exe = b.compile(g)?;
-    let bufs = inputs
-        .iter()
-        .map(|h| b.to_device(h))
-        .collect::<kiln::Result<Vec<_>>>()?;
-    let refs: Vec<&B::Buffer> = bufs.iter().collect();
-    let outs = b.execute(&exe, &refs)?;
-    outs.iter().map(|o| b.to_host(o)).collect()
-}
 
 /// A graph with one input per host tensor and a single `op` node as its output.
 fn one_op(op: &Op, inputs: &[HostTensor]) -> Graph {
@@ -285,74 +270,29 @@ impl Drop for Report {
 
 // ----- data ------------------------------------------------------------------------------------
 
-/// SplitMix64: seeded data independent of libtorch's global generator.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0x6A09_E667_F3BC_C909)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn normal(&mut self) -> f64 {
-        let u1 = 1.0 - self.uniform();
-        let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    }
-    fn range(&mut self, lo: i64, hi: i64) -> i64 {
-        lo + (self.next() % (hi - lo + 1) as u64) as i64
-    }
-}
-
-fn numel(shape: &[usize]) -> usize {
-    shape.iter().product()
-}
-
-fn host<E: Element>(shape: &[usize], v: &[E]) -> HostTensor {
-    HostTensor::from_slice(shape, v).unwrap()
-}
-
-/// Floats of `dtype` from `f` (rounded to f32 for `F32`).
-fn floats(shape: &[usize], dtype: DType, mut f: impl FnMut() -> f64) -> HostTensor {
-    let v: Vec<f64> = (0..numel(shape)).map(|_| f()).collect();
-    match dtype {
-        DType::F32 => host(shape, &v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
-        DType::F64 => host(shape, &v),
-        d => panic!("floats of {d}"),
-    }
-}
-
 fn randn(shape: &[usize], dtype: DType, seed: u64) -> HostTensor {
-    let mut r = Rng::new(seed);
+    let mut r = SplitMix64::mixed(seed);
     floats(shape, dtype, || r.normal())
 }
 
 fn normal(shape: &[usize], dtype: DType, scale: f64, seed: u64) -> HostTensor {
-    let mut r = Rng::new(seed);
+    let mut r = SplitMix64::mixed(seed);
     floats(shape, dtype, || scale * r.normal())
 }
 
 fn uniform(shape: &[usize], dtype: DType, lo: f64, hi: f64, seed: u64) -> HostTensor {
-    let mut r = Rng::new(seed);
+    let mut r = SplitMix64::mixed(seed);
     floats(shape, dtype, || lo + (hi - lo) * r.uniform())
 }
 
 /// Integers of `dtype` in `[lo, hi]` (bools: `lo`/`hi` ignored).
 fn ints(shape: &[usize], dtype: DType, lo: i64, hi: i64, seed: u64) -> HostTensor {
-    let mut r = Rng::new(seed);
+    let mut r = SplitMix64::mixed(seed);
     let n = numel(shape);
     match dtype {
         DType::Bool => host(
             shape,
-            &(0..n).map(|_| r.next() & 1 == 1).collect::<Vec<_>>(),
+            &(0..n).map(|_| r.next_u64() & 1 == 1).collect::<Vec<_>>(),
         ),
         DType::U32 => host(
             shape,
@@ -369,12 +309,21 @@ fn ints(shape: &[usize], dtype: DType, lo: i64, hi: i64, seed: u64) -> HostTenso
 
 /// Full-range bit patterns of an integer dtype.
 fn bits(shape: &[usize], dtype: DType, seed: u64) -> HostTensor {
-    let mut r = Rng::new(seed);
+    let mut r = SplitMix64::mixed(seed);
     let n = numel(shape);
     match dtype {
-        DType::U32 => host(shape, &(0..n).map(|_| r.next() as u32).collect::<Vec<_>>()),
-        DType::I32 => host(shape, &(0..n).map(|_| r.next() as i32).collect::<Vec<_>>()),
-        DType::I64 => host(shape, &(0..n).map(|_| r.next() as i64).collect::<Vec<_>>()),
+        DType::U32 => host(
+            shape,
+            &(0..n).map(|_| r.next_u64() as u32).collect::<Vec<_>>(),
+        ),
+        DType::I32 => host(
+            shape,
+            &(0..n).map(|_| r.next_u64() as i32).collect::<Vec<_>>(),
+        ),
+        DType::I64 => host(
+            shape,
+            &(0..n).map(|_| r.next_u64() as i64).collect::<Vec<_>>(),
+        ),
         DType::Bool => ints(shape, dtype, 0, 1, seed),
         d => panic!("bits of {d}"),
     }
@@ -475,11 +424,11 @@ fn int_values(h: &HostTensor) -> Vec<i64> {
 /// Replaces some elements by special float values (NaN, ±inf, ±0).
 fn with_specials(h: &HostTensor, seed: u64) -> HostTensor {
     let specials = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0];
-    let mut r = Rng::new(seed);
+    let mut r = SplitMix64::mixed(seed);
     let mut v = h.to_f64_vec();
     for (k, s) in specials.iter().enumerate() {
         if k < v.len() {
-            let i = (r.next() as usize) % v.len();
+            let i = (r.next_u64() as usize) % v.len();
             v[i] = *s;
         }
     }
@@ -659,7 +608,7 @@ fn binary_float() {
                 let (x, y) = match b {
                     Pow => {
                         // Positive bases with any exponent; negative bases with integer ones.
-                        let mut r = Rng::new(seed);
+                        let mut r = SplitMix64::mixed(seed);
                         let n = numel(shape);
                         let mut base = Vec::with_capacity(n);
                         let mut exp = Vec::with_capacity(n);
@@ -865,11 +814,11 @@ fn compare_all_dtypes() {
                         }
                     }
                     DType::U32 => {
-                        let mut r = Rng::new(seed);
+                        let mut r = SplitMix64::mixed(seed);
                         let pick = [0u32, 1, 0x7FFF_FFFF, 0x8000_0000, 0xFFFF_FFFF];
                         let mut gen = || {
                             (0..numel(shape))
-                                .map(|_| pick[(r.next() % 5) as usize])
+                                .map(|_| pick[(r.next_u64() % 5) as usize])
                                 .collect::<Vec<_>>()
                         };
                         (host(shape, &gen()), host(shape, &gen()))
@@ -988,7 +937,7 @@ fn convert_all_pairs() {
                 let seed = s as u64 * 7 + from as u64 * 100 + to as u64;
                 let x = match from {
                     DType::F32 | DType::F64 => {
-                        let mut r = Rng::new(seed);
+                        let mut r = SplitMix64::mixed(seed);
                         let mut k = 0;
                         floats(shape, from, || {
                             k += 1;

@@ -4,8 +4,10 @@
 //!
 //! Measured errors are printed (`cargo test --release --test optim -- --nocapture`).
 
+mod common;
+
+use common::{host, xla, SplitMix64};
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::XlaBackend;
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{DType, InputKind, TensorType};
 use kiln::optim::{optimizer_graph, Adam, AdamW, Optimizer, Sgd};
@@ -14,23 +16,9 @@ use tch::nn::OptimizerConfig;
 const STEPS: usize = 5;
 const LRS: [f64; STEPS] = [0.1, 0.05, 0.08, 0.02, 0.04];
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn normal(&mut self) -> f32 {
-        let u1 = 1.0 - (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        let u2 = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.normal()).collect()
-    }
+/// `n` standard normals, rounded to f32.
+fn normals(r: &mut SplitMix64, n: usize) -> Vec<f32> {
+    (0..n).map(|_| r.normal() as f32).collect()
 }
 
 fn shapes() -> Vec<Vec<usize>> {
@@ -39,16 +27,20 @@ fn shapes() -> Vec<Vec<usize>> {
 
 /// Initial parameters and the gradient of every step, per parameter.
 fn data() -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
-    let mut r = Rng(7);
-    let params = shapes().iter().map(|s| r.vec(s.iter().product())).collect();
+    let mut r = SplitMix64::raw(7);
+    let params = shapes()
+        .iter()
+        .map(|s| normals(&mut r, s.iter().product()))
+        .collect();
     let grads = (0..STEPS)
-        .map(|_| shapes().iter().map(|s| r.vec(s.iter().product())).collect())
+        .map(|_| {
+            shapes()
+                .iter()
+                .map(|s| normals(&mut r, s.iter().product()))
+                .collect()
+        })
         .collect();
     (params, grads)
-}
-
-fn host(shape: &[usize], v: &[f32]) -> HostTensor {
-    HostTensor::from_slice(shape, v).unwrap()
 }
 
 /// `max |a - b| / max |b|`.
@@ -260,7 +252,7 @@ fn max_rel(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
 }
 
 fn check(name: &str, opt: &dyn Optimizer, reference: Reference, libtorch: Vec<Vec<f64>>) {
-    let xla = run_graph(&XlaBackend::new().unwrap(), opt);
+    let xla = run_graph(xla(), opt);
     let interp = run_graph(&EagerBackend::new(), opt);
     let eager = run_eager(opt);
     let refv = run_reference(&reference);

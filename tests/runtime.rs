@@ -71,6 +71,20 @@ struct Counter {
     total: Tensor,
 }
 
+impl Counter {
+    /// Both buffers start at zero in `store`'s root: `count` as f32, `total` as f64.
+    fn new(store: &ParamStore) -> kiln::Result<Self> {
+        Ok(Counter {
+            count: store
+                .root()
+                .buffer("count", &[], Init::Const(0.0), DType::F32)?,
+            total: store
+                .root()
+                .buffer("total", &[], Init::Const(0.0), DType::F64)?,
+        })
+    }
+}
+
 impl Module for Counter {
     fn forward_t(&self, x: &Tensor, _train: bool) -> kiln::Result<Tensor> {
         self.count.assign(&self.count.add_scalar(1.0)?)?;
@@ -82,14 +96,7 @@ impl Module for Counter {
 #[test]
 fn state_updates_are_donated_and_synced_on_request() -> kiln::Result<()> {
     let store = ParamStore::new();
-    let c = Counter {
-        count: store
-            .root()
-            .buffer("count", &[], Init::Const(0.0), DType::F32)?,
-        total: store
-            .root()
-            .buffer("total", &[], Init::Const(0.0), DType::F64)?,
-    };
+    let c = Counter::new(&store)?;
     let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
         Ok(vec![c.forward(&xs[0])?])
     });
@@ -534,14 +541,7 @@ fn a_shared_handle_serves_four_threads_with_the_single_threaded_results() -> kil
 #[test]
 fn a_shared_handle_serializes_calls_that_write_variables() -> kiln::Result<()> {
     let store = ParamStore::new();
-    let c = Counter {
-        count: store
-            .root()
-            .buffer("count", &[], Init::Const(0.0), DType::F32)?,
-        total: store
-            .root()
-            .buffer("total", &[], Init::Const(0.0), DType::F64)?,
-    };
+    let c = Counter::new(&store)?;
     let f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
         Ok(vec![c.forward(&xs[0])?])
     })

@@ -17,16 +17,16 @@
 //! orders of magnitude. Gradients, which are not continuous at kinks, are judged against
 //! float64 in `zoo_grad.rs`.
 
+mod common;
+
 use kiln::backend::xla::XlaBackend;
 use kiln::zoo::{self, Model, SharedModel};
 use kiln::{compile, Tensor};
 use std::path::PathBuf;
-use std::sync::OnceLock;
 
+/// A handle on the test binary's one XLA backend.
 fn xla() -> XlaBackend {
-    static B: OnceLock<XlaBackend> = OnceLock::new();
-    B.get_or_init(|| XlaBackend::new().expect("PJRT plugin"))
-        .clone()
+    common::xla().clone()
 }
 
 fn tmp_dir() -> PathBuf {

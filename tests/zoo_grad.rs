@@ -25,7 +25,7 @@
 //!    partition, XLA in float64) and by libtorch autograd in float64. Rounding is ~1e-16, far
 //!    below any kink margin, so the two must agree to [`F64_TOL`]; this checks every VJP rule,
 //!    the partition and the lowering on every CPU.
-//! 2. **Float32: the seeds' rule.** kiln's float32 gradients (the user's path) and libtorch's
+//! 2. **Float32: torchbench's rule.** kiln's float32 gradients (the user's path) and libtorch's
 //!    float32 gradients are both compared with the float64 gradients; kiln's error must be at
 //!    most `3 x` libtorch's own float32 error, or a floor of ten times the effect of the one
 //!    kink flip measured above ([`F32_GRAD_FLOOR`], [`F32_STATE_FLOOR`]), which no float32
@@ -385,7 +385,7 @@ fn vars(model: &dyn Model) -> Vec<(String, tch::Tensor)> {
 /// As for the gradients (module docs): kiln's float64 training must match libtorch's float64
 /// training to [`F64_TOL`] per tensor (the derivation, the optimizer graph, the running-stat
 /// updates, the state routing across steps); kiln's float32 training is compared with float64
-/// by the seeds' rule against libtorch's float32 training (`EagerTrainStep` on the float32
+/// by torchbench's rule against libtorch's float32 training (`EagerTrainStep` on the float32
 /// model): losses, all parameters and all running statistics (global relative errors), with
 /// [`F32_STATE_FLOOR`] and [`F32_LOSS_FLOOR`] for kink flips. (The parameter *change* is
 /// checked in float64 only: in float32 one flip moves it by 1.5e-2.)
@@ -525,7 +525,7 @@ fn resnet18_batchnorm_running_stats_and_params_match_eager() {
             "{mode:?} f64: parameter change {change64:.3e}"
         );
 
-        // Float32: the seeds' rule against libtorch's float32 training.
+        // Float32: torchbench's `same()` rule against libtorch's float32 training.
         let (losses32, got32) = train(DType::F32, Some(mode));
         let (err32, _) = global_rel(&params(&got32), &params(&truth));
         let (err32_stats, _) = global_rel(&stats(&got32), &stats(&truth));

@@ -1,4 +1,4 @@
-// The seeds' `LinearModel` as a user model for the benchmark harness:
+// torchbench.py's example `LinearModel` (pytorch#89028) as a user model for the benchmark harness:
 //
 //     cargo run --release -p kiln-bench -- --only path:benches/user_models/linear_model.rs,class:LinearModel
 //
@@ -11,7 +11,8 @@ use kiln::nn::{Linear, Module, ParamStore, Sequential};
 use kiln::zoo::Model;
 use kiln::{Result, Tensor};
 
-/// Two `Linear(10, 10)` layers (the seeds' `nlayer=2`: a graph with at least two call nodes).
+/// Two `Linear(10, 10)` layers (the example's `nlayer=2`: AOTAutograd skips graphs with under
+/// two call nodes).
 pub struct LinearModel {
     store: ParamStore,
     layers: Sequential,
@@ -39,7 +40,7 @@ impl Model for LinearModel {
         &self.store
     }
 
-    /// The seeds' `get_example_inputs`: `(torch.randn(2, 10),)`, here `batch` rows.
+    /// The example's `get_example_inputs`: `(torch.randn(2, 10),)`, here `batch` rows.
     fn example_inputs(&self, batch: usize, seed: u64) -> Result<Vec<Tensor>> {
         Ok(vec![Tensor::randn(&[batch, 10], seed)?])
     }

@@ -7,7 +7,7 @@ pub const NORM_RTOL: f64 = 1e-2;
 ///
 /// A result passes when it is `allclose` (`|c - e| <= atol + rtol·|e|` for every element) **or**
 /// when the cosine similarity of the two flattened results is at least `min_cosine` and their
-/// norms agree within [`NORM_RTOL`] (the seeds' `--cosine` criterion, which forgives a few
+/// norms agree within [`NORM_RTOL`] (torchbench.py's `--cosine` criterion, which forgives a few
 /// ill-conditioned elements; the norm check keeps it from forgiving a wrong scale). A
 /// non-finite value in the compiled result where the eager one is finite always fails.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -59,7 +59,7 @@ impl Tolerance {
 /// reference's update when its inputs are multiplied by `1 + 1e-7·ξ` (a float32 rounding-sized
 /// change).
 ///
-/// The seeds' loss (the mean of the logits) cancels almost completely through deep
+/// torchbench's loss (the mean of the logits) cancels almost completely through deep
 /// batch-normalized networks: such a perturbation moves resnet50's update by 2.3e-2 and
 /// mnasnet1_0's by 2.4e-2 (XLA differs from the reference by 3.1e-2 and 2.3e-2), resnet18's
 /// by 2.6e-5 (XLA: 3.4e-5). Only the first step is compared: later steps amplify rounding
@@ -71,9 +71,9 @@ pub const UPDATE_RTOL: f64 = 1e-2;
 pub enum AccuracyStatus {
     /// Within tolerance.
     Pass,
-    /// Outside tolerance (the seeds' `fail_accuracy`).
+    /// Outside tolerance (torchbench.py's `fail_accuracy`).
     Fail,
-    /// Two eager runs of the same inputs disagreed, so eager is no reference (the seeds'
+    /// Two eager runs of the same inputs disagreed, so eager is no reference (torchbench.py's
     /// `eager_variation`).
     EagerVariation,
 }

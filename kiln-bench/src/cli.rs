@@ -28,7 +28,7 @@ pub enum ModeArg {
 }
 
 const AFTER_HELP: &str = "\
-Method (the seeds' torchbench.py): warm-up calls are excluded from the timings (a variant's
+Method (PyTorch's torchbench.py): warm-up calls are excluded from the timings (a variant's
 first call, which traces and compiles, is reported as `compile s`); eager and compiled
 repetitions are interleaved, each timed over --iterations-per-run iterations with one sync at
 the end; speedup = median(eager) / median(compiled), with the p-value of Welch's t-test (SAME:
@@ -37,7 +37,7 @@ eager: inference outputs allclose(rtol=1e-3, atol=1e-3) or (cosine >= 0.999 and 
 1%); training, the first step from the same initial parameters: its loss allclose(rtol=1e-3,
 atol=1e-5) and its parameter update: relative L2 error over all parameters within
 max(1e-2, 5x the reference update's own change when its inputs move by float32 rounding;
-the seeds' mean-of-logits loss is ill-conditioned through deep batch-norm networks). Later
+torchbench's mean-of-logits loss is ill-conditioned through deep batch-norm networks). Later
 steps amplify rounding chaotically, so they are not compared. Models with dropout are checked against
 kiln's eager graph interpreter (libtorch draws other masks), marked `vs graph interp`.
 
@@ -58,7 +58,7 @@ Examples:
   target/release/kiln-bench --only path:my_model.rs,class:MyModel   # from any directory";
 
 /// kiln's benchmark harness: eager (libtorch) against compiled (trace once / trace every call)
-/// on the model zoo or on your own model, with the seeds' method and table.
+/// on the model zoo or on your own model, with torchbench.py's method and table.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "bench", version, after_long_help = AFTER_HELP)]
 pub struct Cli {
@@ -113,7 +113,7 @@ pub struct Cli {
     #[arg(long, default_value_t = 3, value_name = "N")]
     pub warmup: usize,
 
-    /// Batch size (default: 2 for `linear`, as in the seeds, 4 for the others).
+    /// Batch size (default: 2 for `linear`, as in torchbench.py's example, 4 for the others).
     #[arg(long, value_name = "N")]
     pub batch_size: Option<usize>,
 

@@ -1,4 +1,4 @@
-//! kiln's benchmark harness: the seeds' `torchbench.py` for kiln.
+//! kiln's benchmark harness: PyTorch's `benchmarks/dynamo/torchbench.py` for kiln.
 //!
 //! It runs models eagerly (libtorch, the baseline) and compiled on a backend, in one or more
 //! *variants* (trace once / trace every call; for training also split / fused graphs), and
@@ -22,7 +22,7 @@
 //! [`kiln::backend::registry`]): `--backend xla` (default) or `eager`, or your own through
 //! [`cli::main_with`].
 //!
-//! # Method (the seeds' `speedup_experiment`)
+//! # Method (torchbench.py's `speedup_experiment`)
 //!
 //! For each model:
 //!
@@ -93,7 +93,7 @@ pub struct Variant {
 }
 
 impl Variant {
-    /// The column heading, e.g. `XLA (trace once)` or `XLA fused (trace everytime)` (the seeds'
+    /// The column heading, e.g. `XLA (trace once)` or `XLA fused (trace everytime)` (torch_xla's
     /// wording).
     pub fn label(&self, backend_label: &str) -> String {
         let mode = match self.mode {
@@ -238,7 +238,7 @@ impl BenchOptions {
     }
 }
 
-/// The batch size used when none is given: 2 for `linear` (the seeds' `randn(2, 10)`), 4 for
+/// The batch size used when none is given: 2 for `linear` (torchbench's `randn(2, 10)`), 4 for
 /// the other zoo models and for user models.
 pub fn default_batch_size(model: &str) -> usize {
     match model {
@@ -248,7 +248,7 @@ pub fn default_batch_size(model: &str) -> usize {
 }
 
 /// The representative subset of the zoo that the command line runs by default: a residual CNN,
-/// a mobile (depthwise) CNN, a small plain CNN, both transformers and the seeds'
+/// a mobile (depthwise) CNN, a small plain CNN, both transformers and torchbench's
 /// `LinearModel`, chosen so that inference and training together take under two minutes on
 /// 2 idle CPU cores (1 min 40 s measured). `--all` adds resnet50, resnext50_32x4d,
 /// alexnet, mnasnet1_0 and vgg16. Names not in the zoo are skipped.

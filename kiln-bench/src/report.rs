@@ -1,4 +1,4 @@
-//! The report: rows per model, the seeds' table layout and CSV.
+//! The report: rows per model, torchbench.py's table layout and CSV.
 
 use super::accuracy::{Accuracy, Reference, Tolerance, UPDATE_RTOL};
 use super::runner::UPDATE_NOISE_FACTOR;
@@ -74,7 +74,7 @@ pub struct Column {
     pub numeric: bool,
 }
 
-/// The result of a benchmark run. `Display` draws the seeds' table.
+/// The result of a benchmark run. `Display` draws torchbench.py's table.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Report {
     /// Performance or accuracy.
@@ -404,7 +404,7 @@ impl Report {
     }
 }
 
-/// Draws `rows` (header first) as the seeds' grid: `+---+` rules, `+===+` under the header,
+/// Draws `rows` (header first) as torchbench.py's grid: `+---+` rules, `+===+` under the header,
 /// text left-aligned and the `numeric` columns right-aligned.
 pub fn draw_grid(rows: &[Vec<String>], numeric: &[bool]) -> String {
     let ncol = rows.iter().map(|r| r.len()).max().unwrap_or(0);

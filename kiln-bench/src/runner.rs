@@ -112,7 +112,7 @@ fn noise(a: &Option<Vec<tch::Tensor>>, b: &Option<Vec<tch::Tensor>>) -> Option<f
     }
 }
 
-/// Draws fresh float inputs like `base` (integer inputs are kept, as in the seeds).
+/// Draws fresh float inputs like `base` (integer inputs are kept, as in torchbench).
 fn randomized(base: &[Tensor], seed: u64) -> kiln::Result<Vec<Tensor>> {
     base.iter()
         .enumerate()
@@ -241,7 +241,7 @@ pub(crate) fn run(
     })
 }
 
-/// The seeds' one line per model: `cpu  eval  name  1.380x p=0.00 ...`.
+/// torchbench.py's one line per model: `cpu  eval  name  1.380x p=0.00 ...`.
 fn summary_line(row: &ModelRow, label: &str) -> String {
     let mut s = format!("{:<20}", row.model);
     if let Some(e) = &row.error {

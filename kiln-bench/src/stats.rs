@@ -2,7 +2,7 @@
 //!
 //! Welch's test (unequal variances) gives the p-value printed next to each speedup: the
 //! probability of seeing eager and compiled means this far apart if the two took equally long.
-//! The seeds' harness prints `SAME` when it is above 0.1 ([`SAME_THRESHOLD`]).
+//! PyTorch's `benchmarks/dynamo` harness prints `SAME` when it is above 0.1 ([`SAME_THRESHOLD`]).
 
 /// p-values above this are printed as `SAME`: no evidence that eager and compiled differ.
 pub const SAME_THRESHOLD: f64 = 0.1;
@@ -209,7 +209,7 @@ mod tests {
 
     #[test]
     fn geomean_matches_scipy() {
-        // scipy.stats.gmean([1.38, 1.227, 1.544, 1.085, 2.028]) (the seeds' first five rows)
+        // scipy.stats.gmean([1.38, 1.227, 1.544, 1.085, 2.028]) (pytorch#88904's first five rows)
         let g = geomean(&[1.38, 1.227, 1.544, 1.085, 2.028]).unwrap();
         assert!(close(g, 1.418_971_676_569_381_2, 1e-12), "{g}");
         assert_eq!(geomean(&[2.0, 8.0]), Some(4.0));

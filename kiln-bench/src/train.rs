@@ -1,4 +1,4 @@
-//! Training: one step = forward in training mode, the model's loss (the seeds'
+//! Training: one step = forward in training mode, the model's loss (torchbench's
 //! `reduce_to_scalar_loss`, the mean of the output, unless the model says otherwise), backward,
 //! SGD update. Eager steps are [`EagerTrainStep`] (libtorch autograd); compiled steps are
 //! [`kiln::train::TrainStep`]s, split (forward, backward, optimizer executables) or fused (one).

@@ -5,7 +5,7 @@
 //! A Rust source file (no `fn main`, no `//!` inner doc comments) that defines a type `NAME`
 //! implementing [`kiln::zoo::Model`] and a constructor
 //! `fn new(store: &kiln::nn::ParamStore) -> kiln::Result<NAME>` that creates its parameters in
-//! `store` (seeded by `--seed`). The seeds' `LinearModel`:
+//! `store` (seeded by `--seed`). torchbench.py's example `LinearModel`:
 //!
 //! ```ignore
 //! use kiln::nn::{Linear, Module, ParamStore, Sequential};

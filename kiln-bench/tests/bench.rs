@@ -53,7 +53,7 @@ fn inference_report_rows_columns_and_csv() {
     assert_eq!((every.traces, every.compiles), (4, 1));
     assert!(report.all_passed());
 
-    // The table: the seeds' columns, a geomean row.
+    // The table: torch_xla's trace-once/everytime columns, a geomean row.
     let table = report.to_string();
     for h in [
         "| Model",
@@ -389,7 +389,7 @@ fn user_model_file_outside_the_repository() {
         "{e}"
     );
 
-    // The seeds' LinearModel: builds, runs, writes the CSV.
+    // torchbench.py's example LinearModel: builds, runs, writes the CSV.
     let csv = dir.0.join("out.csv");
     let ModelSpec::User(good) =
         ModelSpec::parse(&format!("path:{},class:LinearModel", file.display())).unwrap()

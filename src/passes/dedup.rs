@@ -1,6 +1,6 @@
 //! Output dedup: an executable never returns the same value twice, nor an input unchanged
-//! (the seeds' `Deduper` and `DumbReturnHandler`). The caller restores the original outputs
-//! from the returned [`OutputSource`] map.
+//! (the `Deduper` and `DumbReturnHandler` of torch_xla's dynamo bridge). The caller restores
+//! the original outputs from the returned [`OutputSource`] map.
 
 use crate::error::Result;
 use crate::ir::{Graph, Op};

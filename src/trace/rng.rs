@@ -3,7 +3,8 @@
 //! A trace that draws random numbers gets one `u32[2]` [`crate::ir::InputKind::RngKey`] input.
 //! Each draw site in the trace uses its own counter block, and the runtime passes a new key on
 //! every call. Because the generator is ordinary integer ops, the eager interpreter and XLA
-//! produce the same bits for the same key (the seeds' dropout-seed mismatch cannot happen).
+//! produce the same bits for the same key (the dropout-seed mismatch of
+//! torch_xla's trace-once bridge, pytorch#90097, cannot happen).
 
 use super::{apply, context::is_tracing, with_ctx, Repr, Tensor};
 use crate::error::{Error, Result};

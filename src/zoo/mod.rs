@@ -1,6 +1,6 @@
 //! The model zoo shared by the examples and the benchmark harness: torchvision's CNNs
 //! (identical architectures, parameter names and counts), a BERT-style encoder, a vision
-//! transformer (torchvision's `VisionTransformer` structure) and the seeds' `LinearModel`.
+//! transformer (torchvision's `VisionTransformer` structure) and torchbench.py's `LinearModel`.
 //!
 //! Every model runs eagerly and traced from the same code, so it can be compiled with
 //! [`crate::compile()`]:
@@ -50,7 +50,7 @@ pub trait Model: Send {
     /// The forward pass; `train` selects training behaviour (dropout, batch statistics).
     fn forward(&self, inputs: &[Tensor], train: bool) -> Result<Tensor>;
 
-    /// A scalar training loss from the output. The default is the seeds'
+    /// A scalar training loss from the output. The default is torchbench's
     /// `reduce_to_scalar_loss`: the mean of the output.
     fn loss(&self, output: &Tensor, inputs: &[Tensor]) -> Result<Tensor> {
         let _ = inputs;
@@ -234,7 +234,8 @@ impl Model for ImageModel {
     }
 }
 
-/// The seeds' `LinearModel`: `layers = Sequential(Linear(10, 10), Linear(10, 10))`, input
+/// The `LinearModel` of PyTorch's `benchmarks/dynamo/torchbench.py` example (pytorch#89028):
+/// `layers = Sequential(Linear(10, 10), Linear(10, 10))`, input
 /// `randn(2, 10)`.
 struct LinearModel {
     store: ParamStore,
@@ -260,7 +261,7 @@ impl Model for LinearModel {
         &self.store
     }
 
-    /// `randn(batch, 10)`; the seeds use batch 2.
+    /// `randn(batch, 10)`; torchbench.py's example uses batch 2.
     fn example_inputs(&self, batch: usize, seed: u64) -> Result<Vec<Tensor>> {
         Ok(vec![Tensor::randn(&[batch, 10], seed)?])
     }
