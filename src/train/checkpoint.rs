@@ -58,7 +58,9 @@ impl<B: Backend> TrainStep<B> {
     ///
     /// The file is replaced atomically: the checkpoint is written to a temporary file in the
     /// same directory, flushed to disk, renamed over `path`, and the directory is flushed, so a
-    /// crash at any point leaves either the previous file or the new one, never a partial one.
+    /// crash at any point leaves either the previous file or the new one, never a partial one
+    /// (a crash before the rename may leave the temporary file, `.<name>.tmp-<pid>-<n>`, behind;
+    /// nothing reads it, and it can be deleted).
     /// Device values are synced to the stores first (as [`TrainStep::sync_to_store`]).
     pub fn save_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
