@@ -503,7 +503,6 @@ fn bad_checkpoints_are_errors_naming_the_file_and_the_key() {
 /// a second resnet18, initialised differently, takes the same next step after loading.
 #[cfg(feature = "zoo")]
 #[test]
-#[ignore = "measurement: compiles two resnet18 training steps (minutes on a small machine)"]
 fn resnet18_checkpoint_round_trip_size_and_time() {
     use kiln::zoo::{self, Model, SharedModel};
     let make = |seed: u64| {
