@@ -315,3 +315,45 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_atomic_replaces_the_file_and_leaves_no_temporary() {
+        let dir = std::env::temp_dir().join(format!("kiln-atomic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.bin");
+        write_atomic(&path, b"first").unwrap();
+        write_atomic(&path, b"second, longer").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"second, longer");
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("f.bin")]);
+        // A save that cannot write keeps the old file and names the file it failed on.
+        let missing_dir = dir.join("no-such-dir").join("f.bin");
+        let e = write_atomic(&missing_dir, b"x").unwrap_err();
+        assert!(e.to_string().contains("no-such-dir"), "{e}");
+        assert!(matches!(
+            write_atomic(Path::new("/"), b"x"),
+            Err(Error::Format { .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn temporary_files_are_distinct_and_in_the_same_directory() {
+        let p = Path::new("/some/dir/ckpt.safetensors");
+        let (a, b) = (temp_path(p).unwrap(), temp_path(p).unwrap());
+        assert_ne!(a, b);
+        assert_eq!(a.parent(), p.parent());
+        let name = a.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(
+            name.starts_with(&format!(".ckpt.safetensors.tmp-{}-", std::process::id())),
+            "{name}"
+        );
+    }
+}
