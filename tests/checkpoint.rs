@@ -143,7 +143,11 @@ fn read_tensors(path: &Path) -> (Tensors, Option<std::collections::HashMap<Strin
 #[test]
 #[ignore = "run by the other tests in a child process"]
 fn child() {
-    let spec = std::env::var(CHILD_ENV).expect("run by the other tests");
+    // Run directly (`--ignored`), it has nothing to do.
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        eprintln!("{CHILD_ENV} unset: this is the child side of the other tests");
+        return;
+    };
     let parts: Vec<&str> = spec.split(';').collect();
     match parts[0] {
         // resume;<mode>;<opt>;<checkpoint>;<out checkpoint>;<out losses>
