@@ -25,6 +25,8 @@ use crate::trace::{trace, Binding, Tensor, Traced};
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
+mod checkpoint;
+
 /// How a training step is split into executables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TrainMode {
@@ -94,6 +96,8 @@ pub struct TrainStep<B: Backend> {
     store: ParamStore,
     loss_fn: LossFn,
     opt: Box<dyn Optimizer>,
+    /// The optimizer's type name, recorded in checkpoints.
+    opt_kind: &'static str,
     mode: TrainMode,
     trace_mode: TraceMode,
     policy: SavePolicy,
@@ -140,6 +144,7 @@ impl<B: Backend> TrainStep<B> {
             store: store.clone(),
             loss_fn: Box::new(loss_fn),
             opt: Box::new(opt),
+            opt_kind: std::any::type_name::<O>(),
             mode: TrainMode::Split,
             trace_mode: TraceMode::Once,
             policy: SavePolicy::SaveAll,
@@ -193,6 +198,11 @@ impl<B: Backend> TrainStep<B> {
     /// Sets the learning rate for the following steps (no recompilation).
     pub fn set_lr(&mut self, lr: f64) {
         self.lr = lr;
+    }
+
+    /// The learning rate of the following steps.
+    pub fn lr(&self) -> f64 {
+        self.lr
     }
 
     /// Seeds the random-number key (dropout masks).
