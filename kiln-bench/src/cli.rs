@@ -53,7 +53,7 @@ option and keeps its pool's size (4 threads on 2 vCPUs); the affinity confines t
 to the N CPUs, so both sides get N cores of compute. The harness re-executes itself with
 OMP_WAIT_POLICY=PASSIVE (unless OMP_WAIT_POLICY is set; OpenMP reads it when libtorch loads):
 with the default active waiting, libtorch's OpenMP barrier spins and stalls whenever XLA's pool
-holds a core (resnet18 eager, 2 threads, interleaved: 346 ms active vs 68 ms passive). The
+holds a core (resnet18 eager, 2 threads, interleaved: 838 ms active vs 22 ms passive). The
 table header and CSV say each side's threads and which PJRT plugin ran (--plugin PATH).
 
 Training timer: a compiled run stops the clock after waiting for all of its last step's device
