@@ -284,6 +284,23 @@ impl<B: Backend> TrainStep<B> {
         Ok(h.to_f64_vec()[0])
     }
 
+    /// Waits until all device work of the last step is done: every value it produced (the
+    /// loss and the other values it kept) and every variable it updated (parameters, buffers,
+    /// optimizer state, the step count). [`TrainStep::step`] only waits for the loss, which
+    /// in [`TrainMode::Split`] comes out of the forward executable while the backward and
+    /// optimizer executables may still run; time a step with this (one sync point).
+    pub fn synchronize(&self) -> Result<()> {
+        if let Some((_, temps)) = &self.last {
+            let backend = self.rt.backend();
+            for b in temps.iter().flatten() {
+                if !backend.is_donated(b)? {
+                    backend.sync(b)?;
+                }
+            }
+        }
+        self.rt.synchronize()
+    }
+
     /// Copies parameters, buffers and optimizer state updated on the device back to their
     /// stores.
     pub fn sync_to_store(&mut self) -> Result<()> {

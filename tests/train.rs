@@ -178,6 +178,46 @@ fn executables_transfers_and_donation_per_step() -> kiln::Result<()> {
 }
 
 #[test]
+fn synchronize_waits_for_the_whole_step_without_transfers() -> kiln::Result<()> {
+    for mode in [TrainMode::Split, TrainMode::Fused] {
+        let make = |store: &ParamStore| -> kiln::Result<TrainStep<XlaBackend>> {
+            let net = Net::new(store, 0.0)?;
+            Ok(TrainStep::new(
+                XlaBackend::new()?,
+                store,
+                Sgd::new().momentum(0.9),
+                move |xs| loss_of(&net, xs),
+            )?
+            .with_mode(mode)
+            .with_lr(0.05))
+        };
+        let (a, b) = (ParamStore::with_seed(4), ParamStore::with_seed(4));
+        let (mut sa, mut sb) = (make(&a)?, make(&b)?);
+        // Nothing has run: nothing to wait for.
+        sa.synchronize()?;
+        let x = batch(7)?;
+        let before = sa.stats();
+        for _ in 0..4 {
+            sa.step_async(&x)?;
+        }
+        sa.synchronize()?;
+        let d = sa.stats().since(&before);
+        // One sync point, nothing copied to the host.
+        assert_eq!((d.syncs, d.d2h_bytes), (1, 0), "{mode:?}: {d}");
+        let loss_a = sa.last_loss()?;
+        let mut loss_b = f64::NAN;
+        for _ in 0..4 {
+            loss_b = sb.step(&x)?;
+        }
+        assert_eq!(loss_a, loss_b, "{mode:?}");
+        sa.sync_to_store()?;
+        sb.sync_to_store()?;
+        assert_eq!(store_values(&a), store_values(&b), "{mode:?}");
+    }
+    Ok(())
+}
+
+#[test]
 fn state_updates_match_eager_and_lr_changes_do_not_recompile() -> kiln::Result<()> {
     let eager_store = ParamStore::with_seed(4);
     let en = Net::new(&eager_store, 0.0)?;

@@ -7,13 +7,17 @@ use super::{
     TrainGraphs,
 };
 use crate::error::{Error, Result};
+use crate::threads;
 use clap::{Parser, ValueEnum};
+use kiln::backend::xla::XlaBackend;
 use kiln::compile::TraceMode;
 use kiln::nn::ParamStore;
 use kiln::zoo::{self, Model};
+use std::cell::OnceCell;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::rc::Rc;
 
 /// Which trace modes to measure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -40,6 +44,21 @@ max(1e-2, 5x the reference update's own change when its inputs move by float32 r
 torchbench's mean-of-logits loss is ill-conditioned through deep batch-norm networks). Later
 steps amplify rounding chaotically, so they are not compared. Models with dropout are checked against
 kiln's eager graph interpreter (libtorch draws other masks), marked `vs graph interp`.
+
+Threads: by default each side runs as a user would run it: libtorch at its default intra-op
+threads (one per core) and the XLA CPU plugin's pool (one per CPU the process may use).
+--threads N puts both on N: libtorch's set_num_threads(N), and the process's CPU affinity
+restricted to N CPUs before the PJRT client is created. The XLA CPU plugin has no thread-count
+option and keeps its pool's size (4 threads on 2 vCPUs); the affinity confines those threads
+to the N CPUs, so both sides get N cores of compute. The harness re-executes itself with
+OMP_WAIT_POLICY=PASSIVE (unless OMP_WAIT_POLICY is set; OpenMP reads it when libtorch loads):
+with the default active waiting, libtorch's OpenMP barrier spins and stalls whenever XLA's pool
+holds a core (resnet18 eager, 2 threads, interleaved: 838 ms active vs 22 ms passive). The
+table header and CSV say each side's threads and which PJRT plugin ran (--plugin PATH).
+
+Training timer: a compiled run stops the clock after waiting for all of its last step's device
+work (updated parameters and optimizer state, not just the loss, which in split mode comes out
+of the forward executable).
 
 User models: --only path:FILE,class:NAME builds a scratch crate that includes FILE (a Rust file
 defining `NAME: kiln::zoo::Model` with `fn new(store: &kiln::nn::ParamStore) ->
@@ -140,12 +159,20 @@ pub struct Cli {
     #[arg(long, default_value_t = 0.01)]
     pub lr: f64,
 
-    /// libtorch intra-op threads for eager; 0 = libtorch's default (one per core). The default
-    /// 1 gives eager its best time on small shared machines: with 2 threads on 2 cores,
-    /// libtorch's OpenMP barrier stalls whenever XLA's thread pool or another process holds a
-    /// core (resnet18 eager measured 1744 ms with 2 threads, 51 ms with 1, interleaved with XLA).
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    /// Threads for BOTH sides; 0 (the default) = each side's own default: libtorch's
+    /// intra-op threads (one per core) and the XLA CPU plugin's pool. N > 0 sets libtorch's
+    /// intra-op threads to N and restricts the whole process to N CPUs (sched_setaffinity)
+    /// before XLA's client exists. The XLA CPU plugin has no thread-count option and its pool
+    /// keeps its size (4 threads on 2 vCPUs with xla-cpu-pjrt 0.0.1); the affinity confines
+    /// those threads to the N CPUs. For single-core comparisons: 1.
+    #[arg(long, value_name = "N", default_value_t = 0)]
     pub threads: usize,
+
+    /// The PJRT plugin (.so) of the `xla` backend. Default: $KILN_PJRT_PLUGIN, else the
+    /// plugin kiln's bootstrap installed. The table header and the CSV name the plugin that
+    /// ran and its platform version.
+    #[arg(long, value_name = "PATH")]
+    pub plugin: Option<PathBuf>,
 
     /// No progress on stderr.
     #[arg(long)]
@@ -199,14 +226,71 @@ impl Cli {
     }
 }
 
+/// The `xla` backend the harness made, shared with the registry entry, so that the report can
+/// name the plugin that ran.
+type XlaCell = Rc<OnceCell<XlaBackend>>;
+
+/// The built-in backends, with `xla` made through `cell` (on first use, from
+/// `$KILN_PJRT_PLUGIN` or the bootstrap's plugin: `--plugin` sets the variable).
+fn builtins_with(cell: &XlaCell) -> BackendRegistry {
+    let mut registry = BackendRegistry::with_builtins();
+    let c = cell.clone();
+    registry.register("xla", "XLA", move || {
+        if let Some(b) = c.get() {
+            return Ok(b.clone());
+        }
+        let b = XlaBackend::new()?;
+        Ok(c.get_or_init(|| b).clone())
+    });
+    registry
+}
+
+/// The plugin that ran: `plugin PATH, cpu VERSION, PJRT API 0.N`.
+fn xla_detail(b: &XlaBackend) -> String {
+    let (major, minor) = b.api_version();
+    format!(
+        "plugin {}, platform {} version {:?}, PJRT C API {major}.{minor}",
+        b.plugin_path().display(),
+        b.platform(),
+        b.platform_version()
+    )
+}
+
+/// Before anything starts: re-executes with OpenMP passive waiting (see
+/// [`threads::reexec_with_omp_policy`]) and `--plugin` in `$KILN_PJRT_PLUGIN`.
+fn prepare_process(cli: &Cli) {
+    let mut env = Vec::new();
+    if let Some(p) = &cli.plugin {
+        let abs = std::path::absolute(p).unwrap_or_else(|_| p.clone());
+        env.push(("KILN_PJRT_PLUGIN", abs.into_os_string()));
+    }
+    threads::reexec_with_omp_policy(&env);
+}
+
 /// Runs the report for `sources`, prints it, writes the CSV; the exit code.
 fn report_and_exit(
     cli: &Cli,
     sources: Vec<ModelSource>,
     registry: &BackendRegistry,
+    xla: Option<&XlaCell>,
 ) -> Result<ExitCode> {
+    if let Some(p) = &cli.plugin {
+        if !p.is_file() {
+            return Err(Error::Invalid(format!(
+                "--plugin {}: no such file",
+                p.display()
+            )));
+        }
+    }
+    if cli.threads > 0 {
+        // Before the PJRT client exists: the XLA CPU plugin sizes its pool from the affinity.
+        threads::limit_cpus(cli.threads)?;
+    }
     let opts = cli.options();
-    let report = run_sources(sources, &opts, registry)?;
+    let mut report = run_sources(sources, &opts, registry)?;
+    if cli.backend == "xla" {
+        report.compiled_detail = xla.and_then(|c| c.get()).map(xla_detail);
+    }
     print!("{report}");
     if let Some(path) = &cli.csv {
         report.write_csv(path)?;
@@ -243,19 +327,34 @@ fn list(registry: &BackendRegistry) {
 
 /// The `kiln-bench` binary's `main`: the zoo (or `--only path:`) with the built-in backends.
 pub fn main() -> ExitCode {
-    main_with(BackendRegistry::with_builtins())
+    let args: Vec<OsString> = std::env::args_os().collect();
+    let cli = Cli::parse_from(&args);
+    prepare_process(&cli);
+    let cell = XlaCell::default();
+    let registry = builtins_with(&cell);
+    exit_with(run(&cli, &args[1..], &registry, Some(&cell)))
 }
 
 /// Like [`main`], with your own backends (`--backend NAME` picks one of `registry`).
 pub fn main_with(registry: BackendRegistry) -> ExitCode {
     let args: Vec<OsString> = std::env::args_os().collect();
     let cli = Cli::parse_from(&args);
+    prepare_process(&cli);
     exit_with(run_cli(&cli, &args[1..], &registry))
 }
 
 /// Runs parsed flags: `args` are the raw arguments (without the program name), forwarded to a
 /// user-model build.
 pub fn run_cli(cli: &Cli, args: &[OsString], registry: &BackendRegistry) -> Result<ExitCode> {
+    run(cli, args, registry, None)
+}
+
+fn run(
+    cli: &Cli,
+    args: &[OsString],
+    registry: &BackendRegistry,
+    xla: Option<&XlaCell>,
+) -> Result<ExitCode> {
     if cli.list {
         list(registry);
         return Ok(ExitCode::SUCCESS);
@@ -297,7 +396,7 @@ pub fn run_cli(cli: &Cli, args: &[OsString], registry: &BackendRegistry) -> Resu
         .iter()
         .map(|n| ModelSource::zoo(n, cli.seed))
         .collect();
-    report_and_exit(cli, sources, registry)
+    report_and_exit(cli, sources, registry, xla)
 }
 
 /// The `main` of a user-model scratch crate (see [`crate::user`]): benchmarks the one
@@ -307,6 +406,7 @@ where
     F: FnOnce(&ParamStore) -> kiln::Result<Box<dyn Model>> + 'static,
 {
     let cli = Cli::parse();
+    prepare_process(&cli);
     if cli.only.is_some() || cli.all {
         eprintln!("error: --only/--all select zoo models; this binary benchmarks {class}");
         return ExitCode::FAILURE;
@@ -317,10 +417,12 @@ where
     }
     let seed = cli.seed;
     let source = ModelSource::new(class, move || make(&ParamStore::with_seed(seed)));
+    let cell = XlaCell::default();
     exit_with(report_and_exit(
         &cli,
         vec![source],
-        &BackendRegistry::with_builtins(),
+        &builtins_with(&cell),
+        Some(&cell),
     ))
 }
 
@@ -340,7 +442,6 @@ mod tests {
         let o = cli.options();
         let d = BenchOptions {
             progress: true,
-            threads: Some(1),
             ..BenchOptions::default()
         };
         assert_eq!(format!("{o:?}"), format!("{d:?}"));

@@ -51,6 +51,7 @@ mod infer;
 mod report;
 mod runner;
 pub mod stats;
+pub mod threads;
 mod train;
 pub mod user;
 
@@ -154,7 +155,9 @@ pub struct BenchOptions {
     pub tolerance: Option<Tolerance>,
     /// Show progress on stderr (a bar on a terminal, a line per model otherwise).
     pub progress: bool,
-    /// libtorch's intra-op threads for eager (`None`: libtorch's default, one per core).
+    /// libtorch's intra-op threads for eager (`None`: libtorch's default, one per core). The
+    /// compiled side's threads are set by the process's CPU affinity (see [`threads`]), which
+    /// the command line restricts to the same number.
     pub threads: Option<usize>,
 }
 

@@ -97,8 +97,11 @@ pub struct Report {
     pub warmup: usize,
     /// Were inputs randomized per repetition?
     pub randomize_input: bool,
-    /// libtorch's intra-op threads during the run (eager's parallelism).
-    pub eager_threads: usize,
+    /// The threads each side ran on.
+    pub threads: crate::threads::Threads,
+    /// What ran the compiled side, for people: the PJRT plugin's path and platform version
+    /// (filled in by the command line for the built-in `xla` backend).
+    pub compiled_detail: Option<String>,
 }
 
 /// `v` in scientific notation with 3 decimals, or empty.
@@ -203,6 +206,9 @@ impl Report {
                 }
             }
         }
+        c.push(col("eager threads".into(), false, true));
+        c.push(col("compiled cpus".into(), false, true));
+        c.push(col("compiled".into(), false, false));
         c
     }
 
@@ -280,6 +286,16 @@ impl Report {
                 }
             }
         }
+        out.push(same(self.threads.eager.to_string()));
+        out.push(same(self.threads.cpus.to_string()));
+        out.push(same(format!(
+            "{}{}",
+            self.backend,
+            self.compiled_detail
+                .as_deref()
+                .map(|d| format!(" ({d})"))
+                .unwrap_or_default()
+        )));
         out
     }
 
@@ -312,6 +328,36 @@ impl Report {
         } else {
             bad.join(", ")
         }
+    }
+
+    /// The header line saying what ran on how many threads: `eager: libtorch 2 intra-op
+    /// thread(s) (libtorch's default), OMP_WAIT_POLICY=PASSIVE; compiled: XLA (plugin ...), its
+    /// threads confined to 2 CPU(s) ...`.
+    pub fn threads_line(&self) -> String {
+        let t = &self.threads;
+        let eager = format!(
+            "eager: libtorch {} intra-op thread(s) ({}){}",
+            t.eager,
+            if t.eager_default {
+                "libtorch's default"
+            } else {
+                "--threads"
+            },
+            t.omp_wait_policy
+                .as_deref()
+                .map(|p| format!(", OMP_WAIT_POLICY={p}"))
+                .unwrap_or_default()
+        );
+        let detail = self
+            .compiled_detail
+            .as_deref()
+            .map(|d| format!(" ({d})"))
+            .unwrap_or_default();
+        format!(
+            "{eager}; compiled: {}{detail}, its threads confined to {} CPU(s) by the process's \
+             CPU affinity (the XLA CPU plugin has no thread-count option; its pool keeps its size)",
+            self.backend, t.cpus
+        )
     }
 
     /// The geometric mean of a variant's speedups over the models that have one.
@@ -478,11 +524,7 @@ impl std::fmt::Display for Report {
             )?,
             Experiment::Accuracy => writeln!(f, "{what}; accuracy against eager")?,
         }
-        writeln!(
-            f,
-            "eager: libtorch, {} intra-op thread(s); compiled: {}",
-            self.eager_threads, self.backend
-        )?;
+        writeln!(f, "{}", self.threads_line())?;
         if self.training {
             writeln!(
                 f,

@@ -237,7 +237,8 @@ pub(crate) fn run(
         repeat: opts.repeat,
         warmup: opts.warmup,
         randomize_input: opts.randomize_input,
-        eager_threads: usize::try_from(tch::get_num_threads()).unwrap_or(0),
+        threads: crate::threads::Threads::current(opts.threads.is_none()),
+        compiled_detail: None,
     })
 }
 

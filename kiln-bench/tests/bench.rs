@@ -83,6 +83,25 @@ fn inference_report_rows_columns_and_csv() {
     assert_eq!(rows[1][col("accuracy")], "pass");
     let speedup: f64 = rows[1][col("XLA (trace once)")].parse().unwrap();
     assert!((speedup - row.results[0].speedup.unwrap()).abs() < 1e-3);
+    // Each side's threads: eager at libtorch's default unless told, in the header and CSV.
+    assert!(report.threads.eager_default);
+    assert_eq!(report.threads.eager as i32, tch::get_num_threads());
+    assert_eq!(
+        rows[1][col("eager threads")],
+        report.threads.eager.to_string()
+    );
+    assert_eq!(
+        rows[1][col("compiled cpus")],
+        report.threads.cpus.to_string()
+    );
+    assert!(report.threads.cpus >= 1);
+    assert!(
+        table.contains(&format!(
+            "eager: libtorch {} intra-op thread(s) (libtorch's default)",
+            report.threads.eager
+        )),
+        "{table}"
+    );
 
     let path = std::env::temp_dir().join(format!("kiln-bench-{}.csv", std::process::id()));
     report.write_csv(&path).unwrap();
@@ -498,6 +517,57 @@ fn cli_from_another_directory() {
     assert!(!out.status.success());
     assert!(
         stderr.contains(WORKSPACE_ENV) && stderr.contains("is not kiln's workspace"),
+        "{stderr}"
+    );
+}
+
+/// `--threads 1` puts both sides on one thread (libtorch's intra-op threads, and the process's
+/// CPU affinity that sizes XLA's pool), the header and CSV say so and name the plugin; OpenMP
+/// waits passively; a missing `--plugin` file is a clear error.
+#[test]
+fn cli_threads_and_plugin() {
+    let exe = Path::new(env!("CARGO_BIN_EXE_kiln-bench"));
+    let csv = std::env::temp_dir().join(format!("kiln-bench-threads-{}.csv", std::process::id()));
+    let args = [
+        "--only", "linear", "--repeat", "2", "--warmup", "1", "--quiet", "--mode", "once",
+    ];
+    let out = Command::new(exe)
+        .env_remove("OMP_WAIT_POLICY")
+        .args(args)
+        .args(["--threads", "1", "--csv"])
+        .arg(&csv)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout
+            .contains("eager: libtorch 1 intra-op thread(s) (--threads), OMP_WAIT_POLICY=PASSIVE")
+            && stdout.contains("confined to 1 CPU(s)")
+            && stdout.contains("plugin ")
+            && stdout.contains("PJRT C API"),
+        "{stdout}"
+    );
+    let rows = csv_rows(&std::fs::read_to_string(&csv).unwrap());
+    std::fs::remove_file(&csv).ok();
+    let col = |name: &str| rows[0].iter().position(|h| h == name).unwrap();
+    assert_eq!(rows[1][col("eager threads")], "1");
+    assert_eq!(rows[1][col("compiled cpus")], "1");
+    assert!(rows[1][col("compiled")].contains("plugin "), "{rows:?}");
+
+    let out = Command::new(exe)
+        .args(args)
+        .args(["--plugin", "/nonexistent/pjrt_plugin.so"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--plugin /nonexistent/pjrt_plugin.so: no such file"),
         "{stderr}"
     );
 }

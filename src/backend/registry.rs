@@ -109,6 +109,9 @@ pub trait DynTrainStep {
     /// The last step's loss ([`TrainStep::last_loss`]).
     fn last_loss(&self) -> Result<f64>;
 
+    /// Waits for all device work of the last step ([`TrainStep::synchronize`]).
+    fn synchronize(&self) -> Result<()>;
+
     /// Sets the learning rate for the following steps ([`TrainStep::set_lr`]).
     fn set_lr(&mut self, lr: f64);
 
@@ -151,6 +154,10 @@ impl<B: Backend> DynTrainStep for TrainStep<B> {
 
     fn last_loss(&self) -> Result<f64> {
         TrainStep::last_loss(self)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        TrainStep::synchronize(self)
     }
 
     fn set_lr(&mut self, lr: f64) {

@@ -120,6 +120,21 @@ impl<B: Backend> Runtime<B> {
         Ok(())
     }
 
+    /// Waits until the device value of every resident variable is computed, i.e. until
+    /// every execution that updates a variable has finished (one sync point in the counters).
+    /// Values donated to a later execution are skipped: that execution's outputs are waited
+    /// for instead.
+    pub fn synchronize(&self) -> Result<()> {
+        let vars = self.vars.read();
+        for r in vars.values() {
+            if !self.backend.is_donated(&r.buffer)? {
+                self.backend.sync(&r.buffer)?;
+            }
+        }
+        self.metrics.synced();
+        Ok(())
+    }
+
     /// Runs an executable.
     pub fn execute(&self, exe: &B::Executable, args: &[&B::Buffer]) -> Result<Vec<B::Buffer>> {
         let outs = self.backend.execute(exe, args)?;

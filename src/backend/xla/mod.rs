@@ -278,6 +278,11 @@ impl XlaBackend {
         &self.inner.platform
     }
 
+    /// The platform version reported by the plugin (e.g. the XLA CPU client's version string).
+    pub fn platform_version(&self) -> &str {
+        &self.inner.platform_version
+    }
+
     /// The plugin's PJRT C API version.
     pub fn api_version(&self) -> (i32, i32) {
         self.inner.api_version
