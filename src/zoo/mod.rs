@@ -7,10 +7,11 @@
 //!
 //! ```no_run
 //! use kiln::backend::xla::XlaBackend;
-//! use kiln::{compile, zoo, Tensor};
-//! use std::sync::Arc;
+//! use kiln::zoo::{self, Model, SharedModel};
+//! use kiln::{compile, Tensor};
 //!
-//! let model: Arc<dyn zoo::Model> = Arc::from(zoo::build("resnet18", 0)?);
+//! // Shared (Arc + Mutex) so that the compiled closure, which must be `Send`, can hold it.
+//! let model = SharedModel::new(zoo::build("resnet18", 0)?);
 //! let inputs = model.example_inputs(4, 0)?;
 //! let eager = tch::no_grad(|| model.forward(&inputs, false))?;
 //! let m = model.clone();
