@@ -5,6 +5,7 @@
 //! inputs carry `tf.aliasing_output`, the attribute PJRT reads for input/output aliasing.
 
 use super::conv::{im2col_graph, ConvLowering, ConvStrategy};
+use super::kernels::{self, FfiMode};
 use crate::error::{Error, Result};
 use crate::ir::{
     BinaryOp, CompareOp, ConvAttrs, DType, Graph, Literal, NodeId, Op, ReduceKind, TensorType,
@@ -203,6 +204,9 @@ struct Emitter<'g> {
     /// Prefix of result names (`%v` at top level; longer inside an expanded op).
     prefix: String,
     conv: &'g ConvStrategy,
+    /// Which convolutions and dots become libtorch custom calls (already `Off` when the
+    /// plugin cannot run them).
+    ffi: FfiMode,
 }
 
 impl<'g> Emitter<'g> {
@@ -212,6 +216,34 @@ impl<'g> Emitter<'g> {
 
     fn ty(&self, id: NodeId) -> String {
         tensor_type(&self.g.node(id).ty)
+    }
+
+    /// Emits node `id` (an `Op::Conv` or `Op::DotGeneral`) as a custom call to kiln's libtorch
+    /// kernel if the FFI mode picks it; returns whether it did.
+    fn ffi_call(
+        &mut self,
+        id: NodeId,
+        res: &str,
+        args: &[&str],
+        arg_tys: &[String],
+        out_ty: &str,
+    ) -> bool {
+        let n = self.g.node(id);
+        if n.operands.len() != 2 {
+            return false;
+        }
+        let (a, b) = (
+            &self.g.node(n.operands[0]).ty,
+            &self.g.node(n.operands[1]).ty,
+        );
+        let attrs = match &n.op {
+            Op::Conv(c) if self.ffi.conv(c, a, b) => kernels::conv_call_attrs(c, a, b, &n.ty),
+            Op::DotGeneral(d) if self.ffi.dot(d, a, b) => kernels::dot_call_attrs(d, a, b, &n.ty),
+            _ => return false,
+        };
+        self.generic(res, "stablehlo.custom_call", args, arg_tys, &attrs, out_ty);
+        self.names.insert(id, res.to_string());
+        true
     }
 
     /// `  %res = "op"(args) {attrs} : (arg types) -> result type`
@@ -636,6 +668,9 @@ impl<'g> Emitter<'g> {
                 )
             }
             Op::DotGeneral(d) => {
+                if self.ffi_call(id, &res, &arg_refs, &arg_tys, &out_ty) {
+                    return Ok(());
+                }
                 let mut parts = Vec::new();
                 if !d.lhs_batch.is_empty() {
                     parts.push(format!("lhs_batching_dimensions = {}", list(&d.lhs_batch)));
@@ -698,6 +733,9 @@ impl<'g> Emitter<'g> {
                 self.select_and_scatter(&res, attrs, &args[0], &xt, &args[1], &st);
             }
             Op::Conv(c) => {
+                if self.ffi_call(id, &res, &arg_refs, &arg_tys, &out_ty) {
+                    return Ok(());
+                }
                 let xt = &self.g.node(n.operands[0]).ty;
                 let wt = &self.g.node(n.operands[1]).ty;
                 if self.conv.choose(c, xt, wt) == ConvLowering::Im2col {
@@ -710,6 +748,7 @@ impl<'g> Emitter<'g> {
                         names: HashMap::new(),
                         prefix: format!("{res}_c"),
                         conv: &direct,
+                        ffi: FfiMode::Off,
                     };
                     e.names.insert(sub.inputs()[0].node, args[0].clone());
                     e.names.insert(sub.inputs()[1].node, args[1].clone());
@@ -873,12 +912,20 @@ pub fn lower(graph: &Graph) -> Result<String> {
 /// Lowers `graph` like [`lower`], with `conv` choosing for each `Op::Conv` node between
 /// `stablehlo.convolution` and the im2col expansion ([`super::conv::im2col`]).
 pub fn lower_with(graph: &Graph, conv: &ConvStrategy) -> Result<String> {
+    lower_with_ffi(graph, conv, FfiMode::Off)
+}
+
+/// Lowers `graph` like [`lower_with`], with `ffi` choosing which `Op::Conv` and
+/// `Op::DotGeneral` nodes become custom calls to kiln's libtorch kernels
+/// ([`super::kernels`]); the caller must have checked that the plugin runs them.
+pub fn lower_with_ffi(graph: &Graph, conv: &ConvStrategy, ffi: FfiMode) -> Result<String> {
     let mut e = Emitter {
         g: graph,
         out: String::new(),
         names: HashMap::new(),
         prefix: "%v".into(),
         conv,
+        ffi,
     };
     let alias_of: HashMap<usize, usize> = graph.aliases().iter().copied().collect();
     let mut params = Vec::new();

@@ -1,0 +1,801 @@
+//! libtorch kernels inside XLA executables: convolutions and matrix products lowered to
+//! `stablehlo.custom_call`s that XLA runs through kiln's FFI handlers (see
+//! [`pjrt::ffi`](super::pjrt::ffi)), on XLA's own buffers, while everything around them
+//! (elementwise ops, reductions, normalisation) stays in XLA and is fused there.
+//!
+//! Why: on the CPU plugin (xla-cpu-pjrt 0.0.1) XLA's convolution emitter is several times
+//! slower than libtorch (oneDNN) for grouped and depthwise convolutions and for 3×3 layers at
+//! 128–512 channels on small images, and its dot is ~7× slower than MKL for a torch `Linear`
+//! weight layout (`x[N, in] · W[out, in]ᵀ`). The measured per-node rule is
+//! [`FfiMode::auto_conv`] / [`FfiMode::auto_dot`].
+//!
+//! Two custom call targets, both taking f32 or f64 buffers:
+//!
+//! - [`CONV_TARGET`]: `Op::Conv` with kiln's semantics (input `[N, C, *sp]`, kernel
+//!   `[O, C/g, *k]`, output `[N, O, *sp']`; strides, possibly asymmetric or negative padding,
+//!   input and kernel dilation, feature and batch groups), attributes `strides`, `padding`
+//!   (flattened `(low, high)` pairs), `lhs_dilation`, `rhs_dilation` (`array<i64>`),
+//!   `feature_groups`, `batch_groups` (`i64`). Forward convolutions (grouped and depthwise
+//!   included) run as one `at::convolution`; input-dilated ones (the input gradients kiln's
+//!   autograd emits) as a transposed convolution on the un-reversed kernel; what fits neither
+//!   is padded and dilated explicitly first.
+//! - [`DOT_TARGET`]: `Op::DotGeneral`, attribute `dims = array<i64: nb, nc, lhs_batch...,
+//!   rhs_batch..., lhs_contract..., rhs_contract...>`: operands are viewed (no copy where
+//!   strides allow) as `[B, M, K]` and `[B, K, N]` and multiplied by `mm`/`bmm` straight into
+//!   the result buffer.
+//!
+//! Threads: XLA calls handlers from its worker threads, possibly several at once. Every kernel
+//! body runs under one process-wide lock (libtorch parallelises each kernel over all cores with
+//! OpenMP; two kernels at once would oversubscribe them) — see [`torch_lock`].
+
+use crate::backend::xla::lower::tensor_type;
+use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
+use crate::error::{Error, Result};
+use crate::ir::{ConvAttrs, DType, DotDims, TensorType};
+use parking_lot::{Mutex, MutexGuard};
+use tch::Tensor;
+
+/// The custom call target of kiln's convolution kernel.
+pub const CONV_TARGET: &str = "kiln_conv_v1";
+/// The custom call target of kiln's dot kernel.
+pub const DOT_TARGET: &str = "kiln_dot_v1";
+
+/// Which convolutions and dots the XLA backend hands to libtorch through FFI custom calls.
+///
+/// Part of [`XlaOptions`](super::XlaOptions) and so of the backend's cache key. On a plugin
+/// without the PJRT FFI extension (or not a CPU plugin), every mode lowers like
+/// [`FfiMode::Off`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FfiMode {
+    /// Pure XLA lowering.
+    #[default]
+    Off,
+    /// The measured per-node rule ([`FfiMode::auto_conv`], [`FfiMode::auto_dot`]).
+    Auto,
+    /// Every f32/f64 convolution and dot the kernels support.
+    All,
+}
+
+impl FfiMode {
+    /// A short stable text naming the mode (part of cache keys; bump the version when the
+    /// rule or the kernels' semantics change).
+    pub fn key(&self) -> &'static str {
+        match self {
+            FfiMode::Off => "off",
+            FfiMode::Auto => "auto1",
+            FfiMode::All => "all1",
+        }
+    }
+
+    /// Should this convolution (attributes `c`, input type `x`, kernel type `k`) be lowered to
+    /// the libtorch kernel?
+    pub fn conv(&self, c: &ConvAttrs, x: &TensorType, k: &TensorType) -> bool {
+        match self {
+            FfiMode::Off => false,
+            FfiMode::All => conv_supported(c, x, k),
+            FfiMode::Auto => conv_supported(c, x, k) && Self::auto_conv(c, x, k),
+        }
+    }
+
+    /// Should this dot (dimension numbers `d`, operand types `a`, `b`) be lowered to the
+    /// libtorch kernel?
+    pub fn dot(&self, d: &DotDims, a: &TensorType, b: &TensorType) -> bool {
+        match self {
+            FfiMode::Off => false,
+            FfiMode::All => dot_supported(d, a, b),
+            FfiMode::Auto => dot_supported(d, a, b) && Self::auto_dot(d, a, b),
+        }
+    }
+
+    /// The measured rule for convolutions (see `examples/ffi_profile.rs`).
+    pub fn auto_conv(_c: &ConvAttrs, _x: &TensorType, _k: &TensorType) -> bool {
+        true
+    }
+
+    /// The measured rule for dots (see `examples/ffi_profile.rs`).
+    pub fn auto_dot(_d: &DotDims, _a: &TensorType, _b: &TensorType) -> bool {
+        true
+    }
+}
+
+/// Can [`CONV_TARGET`] run this convolution? f32/f64 with at least one spatial dim.
+pub fn conv_supported(c: &ConvAttrs, x: &TensorType, k: &TensorType) -> bool {
+    let n = c.strides.len();
+    matches!(x.dtype, DType::F32 | DType::F64)
+        && k.dtype == x.dtype
+        && n >= 1
+        && x.shape.rank() == n + 2
+        && k.shape.rank() == n + 2
+        && !(c.batch_groups > 1 && c.feature_groups > 1)
+}
+
+/// Can [`DOT_TARGET`] run this dot? f32/f64 operands of the same type.
+pub fn dot_supported(_d: &DotDims, a: &TensorType, b: &TensorType) -> bool {
+    matches!(a.dtype, DType::F32 | DType::F64) && b.dtype == a.dtype
+}
+
+fn i64_array(v: impl IntoIterator<Item = i64>) -> String {
+    let items: Vec<String> = v.into_iter().map(|x| x.to_string()).collect();
+    if items.is_empty() {
+        "array<i64>".into()
+    } else {
+        format!("array<i64: {}>", items.join(", "))
+    }
+}
+
+/// Row-major layout attribute of a rank-`r` array (`minor_to_major = [r-1, ..., 0]`).
+fn row_major(r: usize) -> String {
+    if r == 0 {
+        return "dense<> : tensor<0xindex>".into();
+    }
+    let v: Vec<String> = (0..r).rev().map(|d| d.to_string()).collect();
+    format!("dense<[{}]> : tensor<{r}xindex>", v.join(", "))
+}
+
+fn custom_call_attrs(
+    target: &str,
+    config: &str,
+    operands: &[&TensorType],
+    out: &TensorType,
+) -> String {
+    let ol: Vec<String> = operands.iter().map(|t| row_major(t.shape.rank())).collect();
+    format!(
+        "call_target_name = \"{target}\", api_version = 4 : i32, backend_config = {{{config}}}, operand_layouts = [{}], result_layouts = [{}]",
+        ol.join(", "),
+        row_major(out.shape.rank())
+    )
+}
+
+/// The attributes (inside `{...}`) of a `stablehlo.custom_call` running `Op::Conv(c)` on
+/// operands of types `x`, `k` with result type `out` through [`CONV_TARGET`].
+pub fn conv_call_attrs(c: &ConvAttrs, x: &TensorType, k: &TensorType, out: &TensorType) -> String {
+    let config = format!(
+        "batch_groups = {} : i64, feature_groups = {} : i64, lhs_dilation = {}, padding = {}, rhs_dilation = {}, strides = {}",
+        c.batch_groups,
+        c.feature_groups,
+        i64_array(c.lhs_dilation.iter().map(|&v| v as i64)),
+        i64_array(c.padding.iter().flat_map(|&(l, h)| [l, h])),
+        i64_array(c.rhs_dilation.iter().map(|&v| v as i64)),
+        i64_array(c.strides.iter().map(|&v| v as i64)),
+    );
+    custom_call_attrs(CONV_TARGET, &config, &[x, k], out)
+}
+
+/// The attributes of a `stablehlo.custom_call` running `Op::DotGeneral(d)` through
+/// [`DOT_TARGET`].
+pub fn dot_call_attrs(d: &DotDims, a: &TensorType, b: &TensorType, out: &TensorType) -> String {
+    let mut dims = vec![d.lhs_batch.len() as i64, d.lhs_contract.len() as i64];
+    for v in [&d.lhs_batch, &d.rhs_batch, &d.lhs_contract, &d.rhs_contract] {
+        dims.extend(v.iter().map(|&x| x as i64));
+    }
+    let config = format!("dims = {}", i64_array(dims));
+    custom_call_attrs(DOT_TARGET, &config, &[a, b], out)
+}
+
+/// One full `stablehlo.custom_call` line (for tests and tools): `%res = ... : (x, k) -> out`.
+pub fn conv_call_mlir(
+    res: &str,
+    args: [&str; 2],
+    c: &ConvAttrs,
+    x: &TensorType,
+    k: &TensorType,
+    out: &TensorType,
+) -> String {
+    format!(
+        "{res} = \"stablehlo.custom_call\"({}, {}) {{{}}} : ({}, {}) -> {}",
+        args[0],
+        args[1],
+        conv_call_attrs(c, x, k, out),
+        tensor_type(x),
+        tensor_type(k),
+        tensor_type(out)
+    )
+}
+
+/// [`conv_call_mlir`] for a dot.
+pub fn dot_call_mlir(
+    res: &str,
+    args: [&str; 2],
+    d: &DotDims,
+    a: &TensorType,
+    b: &TensorType,
+    out: &TensorType,
+) -> String {
+    format!(
+        "{res} = \"stablehlo.custom_call\"({}, {}) {{{}}} : ({}, {}) -> {}",
+        args[0],
+        args[1],
+        dot_call_attrs(d, a, b, out),
+        tensor_type(a),
+        tensor_type(b),
+        tensor_type(out)
+    )
+}
+
+// ------------------------------------------------------------------------------------------
+// Threads.
+// ------------------------------------------------------------------------------------------
+
+/// The lock every kernel body holds while it runs libtorch.
+///
+/// XLA's CPU runtime runs independent thunks concurrently on its worker threads (4 on 2
+/// cores), so two custom calls can start at once. Each libtorch kernel already spreads over
+/// all cores (OpenMP, `at::get_num_threads()` = cores); running two would oversubscribe the
+/// cores with two OpenMP teams. With the lock, at most one libtorch kernel runs at a time.
+pub fn torch_lock() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock()
+}
+
+// ------------------------------------------------------------------------------------------
+// Kernels.
+// ------------------------------------------------------------------------------------------
+
+/// The convolution kernel ([`CONV_TARGET`]).
+pub(crate) struct ConvKernel;
+
+/// The dot kernel ([`DOT_TARGET`]).
+pub(crate) struct DotKernel;
+
+fn usizes(call: &Call<'_>, name: &str) -> Result<Vec<usize>> {
+    call.attr_ints(name)?
+        .iter()
+        .map(|&v| {
+            usize::try_from(v).map_err(|_| Error::Invalid(format!("attribute {name}: {v} < 0")))
+        })
+        .collect()
+}
+
+fn conv_attrs_of(call: &Call<'_>) -> Result<ConvAttrs> {
+    let pad = call.attr_ints("padding")?;
+    if pad.len() % 2 != 0 {
+        return Err(Error::Invalid(format!(
+            "padding {pad:?} is not (low, high) pairs"
+        )));
+    }
+    let c = ConvAttrs {
+        strides: usizes(call, "strides")?,
+        padding: pad.chunks(2).map(|p| (p[0], p[1])).collect(),
+        lhs_dilation: usizes(call, "lhs_dilation")?,
+        rhs_dilation: usizes(call, "rhs_dilation")?,
+        feature_groups: call.attr_int("feature_groups")?.max(0) as usize,
+        batch_groups: call.attr_int("batch_groups")?.max(0) as usize,
+    };
+    let n = c.strides.len();
+    if c.padding.len() != n || c.lhs_dilation.len() != n || c.rhs_dilation.len() != n {
+        return Err(Error::Invalid(format!(
+            "inconsistent convolution attributes {c:?}"
+        )));
+    }
+    Ok(c)
+}
+
+impl FfiKernel for ConvKernel {
+    const TARGET: &'static str = CONV_TARGET;
+
+    fn run(call: &Call<'_>) -> Result<()> {
+        if call.num_args() != 2 || call.num_rets() != 1 {
+            return Err(Error::Invalid(format!(
+                "expected 2 operands and 1 result, got {} and {}",
+                call.num_args(),
+                call.num_rets()
+            )));
+        }
+        let c = conv_attrs_of(call)?;
+        let (xb, kb, ob) = (call.arg(0)?, call.arg(1)?, call.ret(0)?);
+        let want = conv_out_dims(&c, xb.dims, kb.dims)?;
+        if want != ob.dims {
+            return Err(Error::Invalid(format!(
+                "convolution of {:?} by {:?} with {c:?} gives {want:?}, the result buffer is {:?}",
+                xb.dims, kb.dims, ob.dims
+            )));
+        }
+        let _guard = torch_lock();
+        let (x, k, out) = (xb.tensor()?, kb.tensor()?, ob.tensor()?);
+        conv_into(&c, &x, &k, &out)
+    }
+}
+
+impl FfiKernel for DotKernel {
+    const TARGET: &'static str = DOT_TARGET;
+
+    fn run(call: &Call<'_>) -> Result<()> {
+        if call.num_args() != 2 || call.num_rets() != 1 {
+            return Err(Error::Invalid(format!(
+                "expected 2 operands and 1 result, got {} and {}",
+                call.num_args(),
+                call.num_rets()
+            )));
+        }
+        let dims = call.attr_ints("dims")?;
+        let d = dot_dims_of(dims)?;
+        let (ab, bb, ob) = (call.arg(0)?, call.arg(1)?, call.ret(0)?);
+        let plan = DotPlan::new(&d, ab.dims, bb.dims)?;
+        if plan.out_dims != ob.dims {
+            return Err(Error::Invalid(format!(
+                "dot of {:?} by {:?} with {d:?} gives {:?}, the result buffer is {:?}",
+                ab.dims, bb.dims, plan.out_dims, ob.dims
+            )));
+        }
+        let _guard = torch_lock();
+        let (a, b, out) = (ab.tensor()?, bb.tensor()?, ob.tensor()?);
+        plan.run_into(&a, &b, &out)
+    }
+}
+
+fn dot_dims_of(dims: &[i64]) -> Result<DotDims> {
+    let bad = || Error::Invalid(format!("attribute dims: malformed {dims:?}"));
+    if dims.len() < 2 || dims.iter().any(|&v| v < 0) {
+        return Err(bad());
+    }
+    let (nb, nc) = (dims[0] as usize, dims[1] as usize);
+    if dims.len() != 2 + 2 * nb + 2 * nc {
+        return Err(bad());
+    }
+    let v: Vec<usize> = dims[2..].iter().map(|&x| x as usize).collect();
+    Ok(DotDims {
+        lhs_batch: v[..nb].to_vec(),
+        rhs_batch: v[nb..2 * nb].to_vec(),
+        lhs_contract: v[2 * nb..2 * nb + nc].to_vec(),
+        rhs_contract: v[2 * nb + nc..].to_vec(),
+    })
+}
+
+// ------------------------------------------------------------------------------------------
+// Convolution on tch tensors (safe; used by the handler and by tests).
+// ------------------------------------------------------------------------------------------
+
+/// Extent of `size` elements dilated by `d` (zeros inserted between them).
+fn dilated(size: i64, d: i64) -> i64 {
+    if size == 0 {
+        0
+    } else {
+        (size - 1) * d + 1
+    }
+}
+
+/// The output dims of `Op::Conv(c)` on an input of dims `x` and a kernel of dims `k`, with
+/// the checks StableHLO's `convolution` makes.
+pub fn conv_out_dims(c: &ConvAttrs, x: &[i64], k: &[i64]) -> Result<Vec<i64>> {
+    let n = c.strides.len();
+    let bad = |m: &str| Error::Invalid(format!("convolution of {x:?} by {k:?} with {c:?}: {m}"));
+    if x.len() != n + 2 || k.len() != n + 2 {
+        return Err(bad("ranks do not match the spatial attributes"));
+    }
+    let (g, bg) = (c.feature_groups as i64, c.batch_groups as i64);
+    if g < 1
+        || bg < 1
+        || c.strides
+            .iter()
+            .chain(&c.lhs_dilation)
+            .chain(&c.rhs_dilation)
+            .any(|&v| v < 1)
+    {
+        return Err(bad("groups, strides and dilations must be >= 1"));
+    }
+    if x[1] != k[1] * g || x[0] % bg != 0 || k[0] % g != 0 || k[0] % bg != 0 {
+        return Err(bad("channels or batch do not divide into the groups"));
+    }
+    let mut out = vec![x[0] / bg, k[0]];
+    for i in 0..n {
+        let xd = dilated(x[i + 2], c.lhs_dilation[i] as i64) + c.padding[i].0 + c.padding[i].1;
+        let kd = dilated(k[i + 2], c.rhs_dilation[i] as i64);
+        let o = if xd < kd || xd < 0 {
+            0
+        } else {
+            (xd - kd) / c.strides[i] as i64 + 1
+        };
+        out.push(o);
+    }
+    Ok(out)
+}
+
+/// Computes `Op::Conv(c)` of `x` by `k` with libtorch and writes it into `out` (whose dims
+/// must be [`conv_out_dims`]).
+pub fn conv_into(c: &ConvAttrs, x: &Tensor, k: &Tensor, out: &Tensor) -> Result<()> {
+    let r = conv(c, x, k)?;
+    // A second handle on the same storage: `copy_` takes `&mut`.
+    out.shallow_clone().f_copy_(&r)?;
+    Ok(())
+}
+
+/// `Op::Conv(c)` of `x` by `k` with libtorch (the result may be a non-contiguous view).
+pub fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor) -> Result<Tensor> {
+    let xs = x.size();
+    let ks = k.size();
+    let want = conv_out_dims(c, &xs, &ks)?;
+    if want.contains(&0) {
+        return Ok(Tensor::f_zeros(&want, (x.kind(), x.device()))?);
+    }
+    if c.batch_groups > 1 {
+        return batch_grouped(c, x, k, &want);
+    }
+    let n = c.strides.len();
+    let i64s = |v: &[usize]| -> Vec<i64> { v.iter().map(|&s| s as i64).collect() };
+    let stride = i64s(&c.strides);
+    let rdil = i64s(&c.rhs_dilation);
+    let g = c.feature_groups as i64;
+    let no_lhs_dil = c.lhs_dilation.iter().all(|&d| d == 1);
+    if no_lhs_dil {
+        // Symmetric padding of `low` computes a prefix-extended result whenever high <= low.
+        if c.padding.iter().all(|&(l, h)| l >= 0 && h <= l) {
+            let pad: Vec<i64> = c.padding.iter().map(|p| p.0).collect();
+            let y = x.f_convolution(
+                k,
+                None::<Tensor>,
+                &stride,
+                &pad,
+                &rdil,
+                false,
+                vec![0; n],
+                g,
+            )?;
+            return narrow_to(y, &want);
+        }
+        let xp = pad_dilate(x, c)?;
+        let y = xp.f_convolution(
+            k,
+            None::<Tensor>,
+            &stride,
+            vec![0; n],
+            &rdil,
+            false,
+            vec![0; n],
+            g,
+        )?;
+        return narrow_to(y, &want);
+    }
+    // Input-dilated: a transposed convolution with stride = lhs_dilation when the window
+    // stride is 1 and the padding maps onto torch's (padding, output_padding).
+    if c.strides.iter().all(|&s| s == 1) {
+        let mut tpad = Vec::with_capacity(n);
+        let mut opad = Vec::with_capacity(n);
+        let mut ok = true;
+        for i in 0..n {
+            let (lo, hi) = c.padding[i];
+            let reach = rdil[i] * (ks[i + 2] - 1);
+            let p = reach - lo;
+            let d = c.lhs_dilation[i] as i64;
+            // torch requires 0 <= output_padding < max(stride, dilation); a smaller high
+            // padding gives a longer result whose prefix is the answer.
+            let op = (hi - lo).max(0);
+            if p < 0 || op >= d.max(rdil[i]) {
+                ok = false;
+            }
+            tpad.push(p);
+            opad.push(op);
+        }
+        if ok {
+            let w = transposed_weight(k, c.feature_groups as i64)?;
+            let ld = i64s(&c.lhs_dilation);
+            let y = x.f_convolution(&w, None::<Tensor>, &ld, &tpad, &rdil, true, &opad, g)?;
+            return narrow_to(y, &want);
+        }
+    }
+    let xp = pad_dilate(x, c)?;
+    let y = xp.f_convolution(
+        k,
+        None::<Tensor>,
+        &stride,
+        vec![0; n],
+        &rdil,
+        false,
+        vec![0; n],
+        g,
+    )?;
+    narrow_to(y, &want)
+}
+
+/// The weight of the transposed convolution equal to a convolution by `k` (`[O, C/g, *k]`):
+/// spatially reversed, with in and out channels swapped within each group (`[C, O/g, *k]`).
+fn transposed_weight(k: &Tensor, g: i64) -> Result<Tensor> {
+    let s = k.size();
+    let n = s.len() - 2;
+    let sp: Vec<i64> = (2..s.len() as i64).collect();
+    let f = k.f_flip(&sp)?;
+    let mut grouped = vec![g, s[0] / g, s[1]];
+    grouped.extend_from_slice(&s[2..]);
+    let mut perm = vec![0i64, 2, 1];
+    perm.extend((3..n as i64 + 3).collect::<Vec<_>>());
+    let mut merged = vec![s[1] * g, s[0] / g];
+    merged.extend_from_slice(&s[2..]);
+    Ok(f.f_reshape(&grouped)?
+        .f_permute(&perm)?
+        .f_reshape(&merged)?)
+}
+
+/// `x` with `lhs_dilation - 1` zeros between elements and then `padding` (negative: crop) on
+/// each spatial dim.
+fn pad_dilate(x: &Tensor, c: &ConvAttrs) -> Result<Tensor> {
+    let n = c.strides.len();
+    let s = x.size();
+    let mut x = x.shallow_clone();
+    if c.lhs_dilation.iter().any(|&d| d > 1) {
+        let mut ds = s[..2].to_vec();
+        for i in 0..n {
+            ds.push(dilated(s[i + 2], c.lhs_dilation[i] as i64));
+        }
+        let z = Tensor::f_zeros(&ds, (x.kind(), x.device()))?;
+        let mut view = z.shallow_clone();
+        for i in 0..n {
+            let d = c.lhs_dilation[i] as i64;
+            view = view.f_slice((i + 2) as i64, 0, ds[i + 2], d)?;
+        }
+        view.f_copy_(&x)?;
+        x = z;
+    }
+    // constant_pad_nd takes (low, high) pairs from the last dim backwards.
+    let mut pads = Vec::with_capacity(2 * n);
+    for i in (0..n).rev() {
+        pads.push(c.padding[i].0);
+        pads.push(c.padding[i].1);
+    }
+    if pads.iter().any(|&p| p != 0) {
+        x = x.f_constant_pad_nd(&pads)?;
+    }
+    Ok(x)
+}
+
+/// The leading `want` elements of `y` along every dim (a view).
+fn narrow_to(y: Tensor, want: &[i64]) -> Result<Tensor> {
+    let s = y.size();
+    if s.len() != want.len() || s.iter().zip(want).any(|(a, b)| a < b) {
+        return Err(Error::Invalid(format!(
+            "libtorch convolution gave {s:?}, expected at least {want:?}"
+        )));
+    }
+    let mut y = y;
+    for (i, (&have, &w)) in s.iter().zip(want).enumerate() {
+        if have != w {
+            y = y.f_narrow(i as i64, 0, w)?;
+        }
+    }
+    Ok(y)
+}
+
+/// A batch-grouped convolution: batch block `g` of the input with output-feature block `g` of
+/// the kernel, as one feature-grouped convolution over the blocks moved into channels.
+fn batch_grouped(c: &ConvAttrs, x: &Tensor, k: &Tensor, want: &[i64]) -> Result<Tensor> {
+    let bg = c.batch_groups as i64;
+    let s = x.size();
+    let mut grouped = vec![bg, s[0] / bg];
+    grouped.extend_from_slice(&s[1..]);
+    let mut perm: Vec<i64> = vec![1, 0];
+    perm.extend(2..(grouped.len() as i64));
+    let mut merged = vec![s[0] / bg, bg * s[1]];
+    merged.extend_from_slice(&s[2..]);
+    let xg = x
+        .f_reshape(&grouped)?
+        .f_permute(&perm)?
+        .f_reshape(&merged)?;
+    let mut c2 = c.clone();
+    c2.batch_groups = 1;
+    c2.feature_groups = c.batch_groups;
+    let y = conv(&c2, &xg, k)?;
+    narrow_to(y, want)
+}
+
+// ------------------------------------------------------------------------------------------
+// Dot on tch tensors.
+// ------------------------------------------------------------------------------------------
+
+/// How one `DotGeneral` maps onto `bmm`: permutations of both operands to `[batch, free,
+/// contract]` / `[batch, contract, free]` and the flattened sizes.
+pub struct DotPlan {
+    perm_a: Vec<i64>,
+    perm_b: Vec<i64>,
+    bmk: [i64; 3],
+    kn: i64,
+    /// The result dims: batch, lhs free, rhs free.
+    pub out_dims: Vec<i64>,
+}
+
+impl DotPlan {
+    /// Checks `d` against the operand dims and plans the product.
+    pub fn new(d: &DotDims, a: &[i64], b: &[i64]) -> Result<DotPlan> {
+        let bad = |m: &str| Error::Invalid(format!("dot of {a:?} by {b:?} with {d:?}: {m}"));
+        if d.lhs_batch.len() != d.rhs_batch.len() || d.lhs_contract.len() != d.rhs_contract.len() {
+            return Err(bad("unpaired dimensions"));
+        }
+        let check = |dims: &[usize], r: usize| {
+            let mut seen = vec![false; r];
+            for &x in dims {
+                if x >= r || seen[x] {
+                    return false;
+                }
+                seen[x] = true;
+            }
+            true
+        };
+        let la: Vec<usize> = d.lhs_batch.iter().chain(&d.lhs_contract).copied().collect();
+        let lb: Vec<usize> = d.rhs_batch.iter().chain(&d.rhs_contract).copied().collect();
+        if !check(&la, a.len()) || !check(&lb, b.len()) {
+            return Err(bad("dimension out of range or repeated"));
+        }
+        for (x, y) in d
+            .lhs_batch
+            .iter()
+            .zip(&d.rhs_batch)
+            .chain(d.lhs_contract.iter().zip(&d.rhs_contract))
+        {
+            if a[*x] != b[*y] {
+                return Err(bad("paired dimensions differ in size"));
+            }
+        }
+        let a_free: Vec<usize> = (0..a.len()).filter(|i| !la.contains(i)).collect();
+        let b_free: Vec<usize> = (0..b.len()).filter(|i| !lb.contains(i)).collect();
+        let prod = |dims: &[i64], idx: &[usize]| idx.iter().map(|&i| dims[i]).product::<i64>();
+        let bsz = prod(a, &d.lhs_batch);
+        let m = prod(a, &a_free);
+        let k = prod(a, &d.lhs_contract);
+        let n = prod(b, &b_free);
+        let to64 = |v: Vec<usize>| v.into_iter().map(|x| x as i64).collect::<Vec<_>>();
+        let perm_a = to64(
+            d.lhs_batch
+                .iter()
+                .chain(&a_free)
+                .chain(&d.lhs_contract)
+                .copied()
+                .collect(),
+        );
+        let perm_b = to64(
+            d.rhs_batch
+                .iter()
+                .chain(&d.rhs_contract)
+                .chain(&b_free)
+                .copied()
+                .collect(),
+        );
+        let mut out_dims: Vec<i64> = d.lhs_batch.iter().map(|&i| a[i]).collect();
+        out_dims.extend(a_free.iter().map(|&i| a[i]));
+        out_dims.extend(b_free.iter().map(|&i| b[i]));
+        Ok(DotPlan {
+            perm_a,
+            perm_b,
+            bmk: [bsz, m, k],
+            kn: n,
+            out_dims,
+        })
+    }
+
+    /// Multiplies `a` by `b` into `out` (contiguous, dims [`DotPlan::out_dims`]).
+    pub fn run_into(&self, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+        let [bs, m, k] = self.bmk;
+        let n = self.kn;
+        let a = a.f_permute(&self.perm_a)?.f_reshape([bs, m, k])?;
+        let b = b.f_permute(&self.perm_b)?.f_reshape([bs, k, n])?;
+        let o = out.f_view([bs, m, n])?;
+        if bs == 1 {
+            let o2 = o.f_select(0, 0)?;
+            let _ = a.f_select(0, 0)?.f_mm_out(&o2, &b.f_select(0, 0)?)?;
+        } else {
+            let _ = a.f_bmm_out(&o, &b)?;
+        }
+        Ok(())
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Registration and self-test.
+// ------------------------------------------------------------------------------------------
+
+/// Registers the kernels with `backend`'s plugin and checks them by compiling and running a
+/// small graph (a strided, padded convolution and a `Linear`-layout dot through the kernels)
+/// against libtorch run directly. `Err` says why the kernels cannot be used.
+pub(crate) fn enable(backend: &super::XlaBackend) -> std::result::Result<(), String> {
+    if backend.platform() != "cpu" {
+        return Err(format!(
+            "platform {:?} is not cpu (the kernels work on host memory)",
+            backend.platform()
+        ));
+    }
+    let api = &backend.inner.api;
+    if !api.has_ffi_extension() {
+        return Err("the plugin has no PJRT FFI extension".into());
+    }
+    api.register_ffi_kernel::<ConvKernel>()
+        .and_then(|()| api.register_ffi_kernel::<DotKernel>())
+        .map_err(|e| format!("registering the FFI handlers failed: {e}"))?;
+    self_test(backend).map_err(|e| format!("the FFI self-test failed: {e}"))
+}
+
+fn self_test(backend: &super::XlaBackend) -> Result<()> {
+    use crate::backend::{Backend, HostTensor};
+    let xt = TensorType::new(DType::F32, [1, 2, 5, 5]);
+    let kt = TensorType::new(DType::F32, [4, 1, 3, 3]);
+    let c = ConvAttrs {
+        strides: vec![2, 1],
+        padding: vec![(1, 0), (1, 1)],
+        lhs_dilation: vec![1, 1],
+        rhs_dilation: vec![1, 1],
+        feature_groups: 2,
+        batch_groups: 1,
+    };
+    let ot = TensorType::new(DType::F32, [1, 4, 2, 5]);
+    let at = TensorType::new(DType::F32, [3, 4]);
+    let wt = TensorType::new(DType::F32, [2, 4]);
+    let d = DotDims {
+        lhs_batch: vec![],
+        rhs_batch: vec![],
+        lhs_contract: vec![1],
+        rhs_contract: vec![1],
+    };
+    let dt = TensorType::new(DType::F32, [3, 2]);
+    let mlir = format!(
+        "module @kiln_ffi_selftest {{\n  func.func public @main(%x: {}, %k: {}, %a: {}, %w: {}) -> ({}, {}) {{\n    {}\n    {}\n    \"func.return\"(%c, %d) : ({}, {}) -> ()\n  }}\n}}\n",
+        tensor_type(&xt),
+        tensor_type(&kt),
+        tensor_type(&at),
+        tensor_type(&wt),
+        tensor_type(&ot),
+        tensor_type(&dt),
+        conv_call_mlir("%c", ["%x", "%k"], &c, &xt, &kt, &ot),
+        dot_call_mlir("%d", ["%a", "%w"], &d, &at, &wt, &dt),
+        tensor_type(&ot),
+        tensor_type(&dt),
+    );
+    let exe = backend.compile_mlir(&mlir)?;
+    let vals = |n: usize, s: f32| -> Vec<f32> {
+        (0..n).map(|i| ((i * 7 % 11) as f32 - 5.0) * s).collect()
+    };
+    let inputs = [
+        HostTensor::from_slice(xt.shape.dims(), &vals(50, 0.25))?,
+        HostTensor::from_slice(kt.shape.dims(), &vals(36, 0.5))?,
+        HostTensor::from_slice(at.shape.dims(), &vals(12, 1.0))?,
+        HostTensor::from_slice(wt.shape.dims(), &vals(8, 0.75))?,
+    ];
+    let bufs: Vec<_> = inputs
+        .iter()
+        .map(|h| backend.to_device(h))
+        .collect::<Result<_>>()?;
+    let raw: Vec<_> = bufs.iter().map(|b| b.raw()).collect();
+    let outs = exe.execute(&raw)?;
+    if outs.len() != 2 {
+        return Err(Error::Invalid(format!(
+            "{} outputs, expected 2",
+            outs.len()
+        )));
+    }
+    let read = |b: &super::pjrt::Buffer| -> Result<Vec<f32>> {
+        let bytes = b.to_host_vec()?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    };
+    let (got_c, got_d) = (read(&outs[0])?, read(&outs[1])?);
+    let t = |v: Vec<f32>, ty: &TensorType| -> Result<Tensor> {
+        Ok(Tensor::from_slice(&v).f_reshape(ty.shape.to_i64())?)
+    };
+    let x = t(vals(50, 0.25), &xt)?;
+    let k = t(vals(36, 0.5), &kt)?;
+    let a = t(vals(12, 1.0), &at)?;
+    let w = t(vals(8, 0.75), &wt)?;
+    let want_c = x.f_constant_pad_nd([1i64, 1, 1, 0])?.f_conv2d(
+        &k,
+        None::<Tensor>,
+        [2i64, 1],
+        [0i64, 0],
+        [1i64, 1],
+        2,
+    )?;
+    let want_d = a.f_matmul(&w.f_tr()?)?;
+    for (name, got, want) in [("convolution", got_c, want_c), ("dot", got_d, want_d)] {
+        let want: Vec<f32> = Vec::<f32>::try_from(want.f_flatten(0, -1)?)?;
+        if got.len() != want.len()
+            || got
+                .iter()
+                .zip(&want)
+                .any(|(g, w)| (g - w).abs() > 1e-4 * (1.0 + w.abs()))
+        {
+            return Err(Error::Invalid(format!(
+                "{name} through the kernel gave {got:?}, libtorch gives {want:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "kernels_tests.rs"]
+mod tests;
