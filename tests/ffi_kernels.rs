@@ -477,7 +477,7 @@ fn wrong_result_shape_is_an_error_with_a_message() {
     let bufs: Vec<_> = ins.iter().map(|h| b.to_device(h).unwrap()).collect();
     let raw: Vec<_> = bufs.iter().map(|x| x.raw()).collect();
     let e = match exe.execute(&raw) {
-        Ok(outs) => outs[0].ready().err().expect("the call fails"),
+        Ok(outs) => outs[0].ready().expect_err("the call fails"),
         Err(e) => e,
     }
     .to_string();
