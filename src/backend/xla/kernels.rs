@@ -33,6 +33,8 @@ use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
 use crate::error::{Error, Result};
 use crate::ir::{ConvAttrs, DType, DotDims, TensorType};
 use parking_lot::{Mutex, MutexGuard};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use tch::Tensor;
 
 /// The custom call target of kiln's convolution kernel.
@@ -216,15 +218,59 @@ pub fn dot_call_mlir(
 // Threads.
 // ------------------------------------------------------------------------------------------
 
-/// The lock every kernel body holds while it runs libtorch.
+static THREADS: AtomicUsize = AtomicUsize::new(0);
+static SERIALIZED: AtomicBool = AtomicBool::new(true);
+
+thread_local! {
+    /// The libtorch thread count last applied on this (XLA worker) thread; 0 = none.
+    static APPLIED: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Sets libtorch's intra-op thread count inside the kernels (0: libtorch's default, one per
+/// core). Applied by each XLA worker thread before its next kernel, with
+/// `at::set_num_threads`, which also changes the default of threads libtorch has not used
+/// yet (process-wide).
+pub fn set_threads(n: usize) {
+    THREADS.store(n, Ordering::Relaxed);
+}
+
+/// The thread count set by [`set_threads`] (`None`: libtorch's default).
+pub fn threads() -> Option<usize> {
+    match THREADS.load(Ordering::Relaxed) {
+        0 => None,
+        n => Some(n),
+    }
+}
+
+/// Whether kernels run one at a time (default `true`; see [`torch_lock`]).
+pub fn set_serialized(on: bool) {
+    SERIALIZED.store(on, Ordering::Relaxed);
+}
+
+/// See [`set_serialized`].
+pub fn serialized() -> bool {
+    SERIALIZED.load(Ordering::Relaxed)
+}
+
+/// Prepares the calling thread to run one kernel: applies [`set_threads`] and, when
+/// [`serialized`], takes the process-wide kernel lock.
 ///
 /// XLA's CPU runtime runs independent thunks concurrently on its worker threads (4 on 2
 /// cores), so two custom calls can start at once. Each libtorch kernel already spreads over
-/// all cores (OpenMP, `at::get_num_threads()` = cores); running two would oversubscribe the
-/// cores with two OpenMP teams. With the lock, at most one libtorch kernel runs at a time.
-pub fn torch_lock() -> MutexGuard<'static, ()> {
+/// all cores (OpenMP, one thread per core by default); two at once would oversubscribe them
+/// with two OpenMP teams. With the lock, at most one libtorch kernel runs at a time.
+pub fn torch_lock() -> Option<MutexGuard<'static, ()>> {
     static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock()
+    let n = THREADS.load(Ordering::Relaxed);
+    if n != 0 && APPLIED.get() != n {
+        tch::set_num_threads(n as i32);
+        APPLIED.set(n);
+    }
+    if SERIALIZED.load(Ordering::Relaxed) {
+        Some(LOCK.lock())
+    } else {
+        None
+    }
 }
 
 // ------------------------------------------------------------------------------------------
