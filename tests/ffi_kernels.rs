@@ -313,6 +313,11 @@ fn autograd_convs_through_the_kernel() {
             3,
             "layer {i}: all three convolutions through the kernel"
         );
+        assert_eq!(
+            lowered.matches("kernel_form = 1").count(),
+            1,
+            "layer {i}: the input gradient reads the forward weight:\n{lowered}"
+        );
         let what = format!("layer {i} x{xs:?} k{ks:?} {a:?}");
         let (ef, en) = check(&what, &g, &ins, CONV_TARGET);
         println!("{what}: relative error FFI {ef:.2e}, XLA {en:.2e}");

@@ -31,7 +31,7 @@
 use crate::backend::xla::lower::tensor_type;
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
 use crate::error::{Error, Result};
-use crate::ir::{ConvAttrs, DType, DotDims, TensorType};
+use crate::ir::{ConvAttrs, DType, DotDims, Graph, NodeId, Op, TensorType};
 use parking_lot::{Mutex, MutexGuard};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -151,10 +151,34 @@ fn custom_call_attrs(
 /// The attributes (inside `{...}`) of a `stablehlo.custom_call` running `Op::Conv(c)` on
 /// operands of types `x`, `k` with result type `out` through [`CONV_TARGET`].
 pub fn conv_call_attrs(c: &ConvAttrs, x: &TensorType, k: &TensorType, out: &TensorType) -> String {
+    conv_call_attrs_form(c, x, k, out, KernelForm::Plain)
+}
+
+/// How the kernel operand of a [`CONV_TARGET`] call relates to the convolution's kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelForm {
+    /// The operand is the kernel, `[O, C/g, *k]`.
+    Plain = 0,
+    /// The operand is a forward weight `w` (`[C, O/g, *k]`, C being the channels of this
+    /// convolution's *output*) and the kernel is `w` spatially reversed with in and out
+    /// channels swapped within each group: the input-gradient convolution of kiln's autograd,
+    /// which libtorch runs as a transposed convolution on `w` itself.
+    ForwardWeight = 1,
+}
+
+/// [`conv_call_attrs`] with the kernel operand (of type `k`) in form `form`.
+pub fn conv_call_attrs_form(
+    c: &ConvAttrs,
+    x: &TensorType,
+    k: &TensorType,
+    out: &TensorType,
+    form: KernelForm,
+) -> String {
     let config = format!(
-        "batch_groups = {} : i64, feature_groups = {} : i64, lhs_dilation = {}, padding = {}, rhs_dilation = {}, strides = {}",
+        "batch_groups = {} : i64, feature_groups = {} : i64, kernel_form = {} : i64, lhs_dilation = {}, padding = {}, rhs_dilation = {}, strides = {}",
         c.batch_groups,
         c.feature_groups,
+        form as i64,
         i64_array(c.lhs_dilation.iter().map(|&v| v as i64)),
         i64_array(c.padding.iter().flat_map(|&(l, h)| [l, h])),
         i64_array(c.rhs_dilation.iter().map(|&v| v as i64)),
@@ -172,6 +196,53 @@ pub fn dot_call_attrs(d: &DotDims, a: &TensorType, b: &TensorType, out: &TensorT
     }
     let config = format!("dims = {}", i64_array(dims));
     custom_call_attrs(DOT_TARGET, &config, &[a, b], out)
+}
+
+/// If `kernel` (the kernel operand of a convolution with attributes `c` in graph `g`) is the
+/// spatially reversed, group-transposed copy of a forward weight `w` that kiln's autograd
+/// builds for an input gradient (`reverse(reshape(transpose(reshape(w))))`, see `conv_vjp`),
+/// returns `w`: the kernel can then read `w` directly ([`KernelForm::ForwardWeight`]) and
+/// XLA need not materialize the copy.
+pub fn forward_weight_of(g: &Graph, kernel: NodeId, c: &ConvAttrs) -> Option<NodeId> {
+    let n = c.strides.len();
+    let gr = c.feature_groups;
+    if c.batch_groups != 1 {
+        return None;
+    }
+    let rev = g.node(kernel);
+    let kt = rev.ty.shape.dims();
+    match &rev.op {
+        Op::Reverse(dims) if dims.len() == n && dims.iter().copied().eq(2..n + 2) => {}
+        _ => return None,
+    }
+    // [C, O/g, *k] <- reshape <- [g, C/g, O/g, *k] <- transpose(0, 2, 1) <- [g, O/g, C/g, *k]
+    // <- reshape <- w [O, C/g, *k].
+    let mut cur = rev.operands[0];
+    if matches!(g.node(cur).op, Op::Reshape(_)) {
+        cur = g.node(cur).operands[0];
+    }
+    let tr = g.node(cur);
+    let mut perm = vec![0, 2, 1];
+    perm.extend(3..n + 3);
+    match &tr.op {
+        Op::Transpose(p) if *p == perm => {}
+        _ => return None,
+    }
+    let mut w = tr.operands[0];
+    if matches!(g.node(w).op, Op::Reshape(_)) {
+        w = g.node(w).operands[0];
+    }
+    let wt = &g.node(w).ty;
+    let wd = wt.shape.dims();
+    if wt.dtype != rev.ty.dtype || wd.len() != n + 2 || wd[0] % gr != 0 {
+        return None;
+    }
+    let mut grouped = vec![gr, wd[0] / gr, wd[1]];
+    grouped.extend_from_slice(&wd[2..]);
+    let mut expect = vec![wd[1] * gr, wd[0] / gr];
+    expect.extend_from_slice(&wd[2..]);
+    (g.node(tr.operands[0]).ty.shape.dims() == grouped.as_slice() && kt == expect.as_slice())
+        .then_some(w)
 }
 
 /// One full `stablehlo.custom_call` line (for tests and tools): `%res = ... : (x, k) -> out`.
@@ -328,17 +399,26 @@ impl FfiKernel for ConvKernel {
             )));
         }
         let c = conv_attrs_of(call)?;
+        let form = match call.attr_int("kernel_form")? {
+            0 => KernelForm::Plain,
+            1 => KernelForm::ForwardWeight,
+            f => return Err(Error::Invalid(format!("unknown kernel_form {f}"))),
+        };
         let (xb, kb, ob) = (call.arg(0)?, call.arg(1)?, call.ret(0)?);
-        let want = conv_out_dims(&c, xb.dims, kb.dims)?;
+        let kdims = effective_kernel_dims(kb.dims, form, c.feature_groups as i64)?;
+        let want = conv_out_dims(&c, xb.dims, &kdims)?;
         if want != ob.dims {
             return Err(Error::Invalid(format!(
-                "convolution of {:?} by {:?} with {c:?} gives {want:?}, the result buffer is {:?}",
+                "convolution of {:?} by {:?} ({form:?}) with {c:?} gives {want:?}, the result buffer is {:?}",
                 xb.dims, kb.dims, ob.dims
             )));
         }
         let _guard = torch_lock();
         let (x, k, out) = (xb.tensor()?, kb.tensor()?, ob.tensor()?);
-        conv_into(&c, &x, &k, &out)
+        let r = conv_form(&c, &x, &k, form)?;
+        // A second handle on the same storage: `copy_` takes `&mut`.
+        out.shallow_clone().f_copy_(&r)?;
+        Ok(())
     }
 }
 
@@ -436,19 +516,43 @@ pub fn conv_out_dims(c: &ConvAttrs, x: &[i64], k: &[i64]) -> Result<Vec<i64>> {
     Ok(out)
 }
 
-/// Computes `Op::Conv(c)` of `x` by `k` with libtorch and writes it into `out` (whose dims
-/// must be [`conv_out_dims`]).
-pub fn conv_into(c: &ConvAttrs, x: &Tensor, k: &Tensor, out: &Tensor) -> Result<()> {
-    let r = conv(c, x, k)?;
-    // A second handle on the same storage: `copy_` takes `&mut`.
-    out.shallow_clone().f_copy_(&r)?;
-    Ok(())
+/// The dims of the kernel a [`CONV_TARGET`] call convolves with, given its kernel operand's
+/// dims and form.
+pub fn effective_kernel_dims(k: &[i64], form: KernelForm, groups: i64) -> Result<Vec<i64>> {
+    match form {
+        KernelForm::Plain => Ok(k.to_vec()),
+        KernelForm::ForwardWeight => {
+            if k.len() < 3 || groups < 1 || k[0] % groups != 0 {
+                return Err(Error::Invalid(format!(
+                    "forward weight {k:?} does not split into {groups} groups"
+                )));
+            }
+            let mut d = vec![k[1] * groups, k[0] / groups];
+            d.extend_from_slice(&k[2..]);
+            Ok(d)
+        }
+    }
 }
 
 /// `Op::Conv(c)` of `x` by `k` with libtorch (the result may be a non-contiguous view).
 pub fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor) -> Result<Tensor> {
+    conv_form(c, x, k, KernelForm::Plain)
+}
+
+/// `Op::Conv(c)` of `x` by the kernel that `k` gives in form `form`.
+pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: KernelForm) -> Result<Tensor> {
+    if form == KernelForm::ForwardWeight {
+        // Without the transposed-convolution route below, materialize the kernel.
+        let g = c.feature_groups as i64;
+        if c.batch_groups > 1
+            || transposed_params(c, &effective_kernel_dims(&k.size(), form, g)?).is_none()
+        {
+            let kk = transposed_weight(k, g)?;
+            return conv_form(c, x, &kk, KernelForm::Plain);
+        }
+    }
     let xs = x.size();
-    let ks = k.size();
+    let ks = effective_kernel_dims(&k.size(), form, c.feature_groups as i64)?;
     let want = conv_out_dims(c, &xs, &ks)?;
     if want.contains(&0) {
         return Ok(Tensor::f_zeros(&want, (x.kind(), x.device()))?);
@@ -462,7 +566,7 @@ pub fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor) -> Result<Tensor> {
     let rdil = i64s(&c.rhs_dilation);
     let g = c.feature_groups as i64;
     let no_lhs_dil = c.lhs_dilation.iter().all(|&d| d == 1);
-    if no_lhs_dil {
+    if no_lhs_dil && form == KernelForm::Plain {
         // Symmetric padding of `low` computes a prefix-extended result whenever high <= low.
         if c.padding.iter().all(|&(l, h)| l >= 0 && h <= l) {
             let pad: Vec<i64> = c.padding.iter().map(|p| p.0).collect();
@@ -491,32 +595,15 @@ pub fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor) -> Result<Tensor> {
         )?;
         return narrow_to(y, &want);
     }
-    // Input-dilated: a transposed convolution with stride = lhs_dilation when the window
-    // stride is 1 and the padding maps onto torch's (padding, output_padding).
-    if c.strides.iter().all(|&s| s == 1) {
-        let mut tpad = Vec::with_capacity(n);
-        let mut opad = Vec::with_capacity(n);
-        let mut ok = true;
-        for i in 0..n {
-            let (lo, hi) = c.padding[i];
-            let reach = rdil[i] * (ks[i + 2] - 1);
-            let p = reach - lo;
-            let d = c.lhs_dilation[i] as i64;
-            // torch requires 0 <= output_padding < max(stride, dilation); a smaller high
-            // padding gives a longer result whose prefix is the answer.
-            let op = (hi - lo).max(0);
-            if p < 0 || op >= d.max(rdil[i]) {
-                ok = false;
-            }
-            tpad.push(p);
-            opad.push(op);
-        }
-        if ok {
-            let w = transposed_weight(k, c.feature_groups as i64)?;
-            let ld = i64s(&c.lhs_dilation);
-            let y = x.f_convolution(&w, None::<Tensor>, &ld, &tpad, &rdil, true, &opad, g)?;
-            return narrow_to(y, &want);
-        }
+    // Input-dilated (or given as a forward weight): a transposed convolution.
+    if let Some((tpad, opad)) = transposed_params(c, &ks) {
+        let w = match form {
+            KernelForm::Plain => transposed_weight(k, g)?,
+            KernelForm::ForwardWeight => k.shallow_clone(),
+        };
+        let ld = i64s(&c.lhs_dilation);
+        let y = x.f_convolution(&w, None::<Tensor>, &ld, &tpad, &rdil, true, &opad, g)?;
+        return narrow_to(y, &want);
     }
     let xp = pad_dilate(x, c)?;
     let y = xp.f_convolution(
@@ -530,6 +617,33 @@ pub fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor) -> Result<Tensor> {
         g,
     )?;
     narrow_to(y, &want)
+}
+
+/// A convolution with window stride 1 (and no batch groups) is a transposed convolution with
+/// stride `lhs_dilation`, when its padding maps onto torch's `(padding, output_padding)`:
+/// returns them, for a kernel of dims `ks`.
+fn transposed_params(c: &ConvAttrs, ks: &[i64]) -> Option<(Vec<i64>, Vec<i64>)> {
+    if c.batch_groups > 1 || c.strides.iter().any(|&s| s != 1) {
+        return None;
+    }
+    let n = c.strides.len();
+    let mut tpad = Vec::with_capacity(n);
+    let mut opad = Vec::with_capacity(n);
+    for i in 0..n {
+        let (lo, hi) = c.padding[i];
+        let r = c.rhs_dilation[i] as i64;
+        let p = r * (ks[i + 2] - 1) - lo;
+        let d = c.lhs_dilation[i] as i64;
+        // torch requires 0 <= output_padding < max(stride, dilation); a smaller high padding
+        // gives a longer result whose prefix is the answer.
+        let op = (hi - lo).max(0);
+        if p < 0 || op >= d.max(r) {
+            return None;
+        }
+        tpad.push(p);
+        opad.push(op);
+    }
+    Some((tpad, opad))
 }
 
 /// The weight of the transposed convolution equal to a convolution by `k` (`[O, C/g, *k]`):

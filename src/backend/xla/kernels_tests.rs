@@ -4,6 +4,7 @@
 use super::*;
 use crate::backend::xla::{XlaBackend, XlaOptions};
 use std::sync::OnceLock;
+use tch::Tensor;
 
 fn backend() -> &'static XlaBackend {
     static B: OnceLock<XlaBackend> = OnceLock::new();
@@ -18,5 +19,130 @@ fn self_test_passes_on_the_cpu_plugin() {
         b.with_options(XlaOptions::default().ffi(FfiMode::All))
             .effective_ffi(),
         FfiMode::All
+    );
+}
+
+fn seeded(dims: &[i64], seed: i64) -> Tensor {
+    let n: i64 = dims.iter().product();
+    Tensor::arange(n, (tch::Kind::Double, tch::Device::Cpu))
+        .f_mul_scalar(0.618_033_988_75 * (seed as f64 + 1.0))
+        .unwrap()
+        .sin()
+        .reshape(dims)
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    a.f_sub(b).unwrap().abs().max().double_value(&[])
+}
+
+/// The forward-weight form equals the plain form on the materialized kernel, on the
+/// transposed-convolution route and on the fallback that materializes it.
+#[test]
+fn forward_weight_form_equals_plain_form() {
+    let mut cases = Vec::new();
+    for (ld, st, pad, g) in [
+        (2, 1, (1, 2), 1), // stride-2 input gradient, output padding 1
+        (2, 1, (1, 1), 2), // grouped, output padding 0
+        (1, 1, (1, 1), 4), // stride-1 input gradient (no dilation), depthwise-like
+        (2, 2, (1, 1), 1), // window stride 2: fallback
+        (2, 1, (3, 0), 1), // padding beyond the kernel: fallback
+        (3, 1, (2, 0), 2), // high < low: narrowed
+    ] {
+        let mut c = ConvAttrs::plain(2);
+        c.lhs_dilation = vec![ld, ld];
+        c.strides = vec![st, 1];
+        c.padding = vec![pad, pad];
+        c.feature_groups = g;
+        cases.push(c);
+    }
+    for (i, c) in cases.iter().enumerate() {
+        let g = c.feature_groups as i64;
+        // x has C = 4 channels; the forward weight is [C, O/g, 3, 3] with O = 8 (dims of a
+        // forward conv from O channels to C).
+        let x = seeded(&[2, 4, 5, 4], i as i64);
+        let w = seeded(&[4, 8 / g, 3, 3], 10 + i as i64);
+        let k = transposed_weight(&w, g).unwrap();
+        assert_eq!(k.size(), vec![8, 4 / g, 3, 3]);
+        assert_eq!(
+            effective_kernel_dims(&w.size(), KernelForm::ForwardWeight, g).unwrap(),
+            k.size()
+        );
+        let plain = conv(c, &x, &k).unwrap();
+        let fw = conv_form(c, &x, &w, KernelForm::ForwardWeight).unwrap();
+        let d = max_diff(&plain, &fw);
+        assert!(d < 1e-12, "case {i} {c:?}: differ by {d}");
+        // The plain form against libtorch's own convolution of the explicitly padded input.
+        if c.lhs_dilation == [1, 1] && c.strides == [1, 1] {
+            let p = c.padding[0].0;
+            let want = x
+                .f_conv2d(&k, None::<Tensor>, [1i64, 1], [p, p], [1i64, 1], g)
+                .unwrap();
+            assert!(max_diff(&plain, &want) < 1e-12);
+        }
+    }
+}
+
+#[test]
+fn forward_weight_is_found_only_in_the_autograd_pattern() {
+    use crate::ir::{Graph, InputKind};
+    let mut c = ConvAttrs::plain(2);
+    c.padding = vec![(1, 1), (1, 1)];
+    let xt = TensorType::new(DType::F32, [2, 3, 6, 6]);
+    let wt = TensorType::new(DType::F32, [5, 3, 3, 3]);
+    let mut g = Graph::new();
+    let x = g.add_input(InputKind::Data, "x", xt);
+    let w = g.add_input(InputKind::Parameter, "w", wt.clone());
+    let y = g.add(Op::Conv(c.clone()), &[x, w]).unwrap();
+    let ct = g.add_input(InputKind::Cotangent, "ct", g.node(y).ty.clone());
+    let grads = crate::autograd::vjp(&mut g, y, ct, &[true, false]).unwrap();
+    let dx = grads[0].unwrap();
+    let (dc, kernel) = match &g.node(dx).op {
+        Op::Conv(dc) => (dc.clone(), g.node(dx).operands[1]),
+        op => panic!("input gradient is {op:?}"),
+    };
+    assert_eq!(forward_weight_of(&g, kernel, &dc), Some(w));
+    // A reversed input is not a forward weight; nor is the forward convolution's kernel.
+    let r = g.add(Op::Reverse(vec![2, 3]), &[w]).unwrap();
+    assert_eq!(forward_weight_of(&g, r, &dc), None);
+    assert_eq!(forward_weight_of(&g, w, &c), None);
+}
+
+#[test]
+fn malformed_attributes_and_shapes_are_errors() {
+    assert!(dot_dims_of(&[1]).is_err());
+    assert!(dot_dims_of(&[1, 1, 0, 0, 1]).is_err());
+    assert!(dot_dims_of(&[0, 1, -1, 0]).is_err());
+    let d = dot_dims_of(&[1, 1, 0, 2, 2, 1]).unwrap();
+    assert_eq!(
+        (d.lhs_batch, d.rhs_batch, d.lhs_contract, d.rhs_contract),
+        (vec![0], vec![2], vec![2], vec![1])
+    );
+    let lin = DotDims {
+        lhs_batch: vec![],
+        rhs_batch: vec![],
+        lhs_contract: vec![1],
+        rhs_contract: vec![1],
+    };
+    assert_eq!(
+        DotPlan::new(&lin, &[4, 8], &[3, 8]).unwrap().out_dims,
+        vec![4, 3]
+    );
+    let e = DotPlan::new(&lin, &[4, 8], &[3, 7])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("[4, 8]") && e.contains("[3, 7]"), "{e}");
+    assert!(DotPlan::new(&lin, &[4, 8], &[8]).is_err());
+    let c = ConvAttrs::plain(2);
+    let e = conv_out_dims(&c, &[1, 4, 5, 5], &[2, 3, 3, 3])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("channels"), "{e}");
+    assert!(conv_out_dims(&c, &[1, 4, 5], &[2, 4, 3, 3]).is_err());
+    assert_eq!(
+        conv_out_dims(&c, &[1, 4, 5, 5], &[2, 4, 3, 3]).unwrap(),
+        vec![1, 2, 3, 3]
     );
 }

@@ -5,7 +5,7 @@
 //! inputs carry `tf.aliasing_output`, the attribute PJRT reads for input/output aliasing.
 
 use super::conv::{im2col_graph, ConvLowering, ConvStrategy};
-use super::kernels::{self, FfiMode};
+use super::kernels::{self, FfiMode, KernelForm};
 use crate::error::{Error, Result};
 use crate::ir::{
     BinaryOp, CompareOp, ConvAttrs, DType, Graph, Literal, NodeId, Op, ReduceKind, TensorType,
@@ -236,12 +236,34 @@ impl<'g> Emitter<'g> {
             &self.g.node(n.operands[0]).ty,
             &self.g.node(n.operands[1]).ty,
         );
+        let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let mut arg_tys = arg_tys.to_vec();
         let attrs = match &n.op {
-            Op::Conv(c) if self.ffi.conv(c, a, b) => kernels::conv_call_attrs(c, a, b, &n.ty),
+            Op::Conv(c) if self.ffi.conv(c, a, b) => {
+                // An input gradient reads the forward weight directly, without the reversed
+                // copy that the graph builds for it (left unused, XLA drops it).
+                match kernels::forward_weight_of(self.g, n.operands[1], c) {
+                    Some(w) => {
+                        let wt = &self.g.node(w).ty;
+                        args[1] = self.name(w).to_string();
+                        arg_tys[1] = tensor_type(wt);
+                        kernels::conv_call_attrs_form(c, a, wt, &n.ty, KernelForm::ForwardWeight)
+                    }
+                    None => kernels::conv_call_attrs(c, a, b, &n.ty),
+                }
+            }
             Op::DotGeneral(d) if self.ffi.dot(d, a, b) => kernels::dot_call_attrs(d, a, b, &n.ty),
             _ => return false,
         };
-        self.generic(res, "stablehlo.custom_call", args, arg_tys, &attrs, out_ty);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.generic(
+            res,
+            "stablehlo.custom_call",
+            &args,
+            &arg_tys,
+            &attrs,
+            out_ty,
+        );
         self.names.insert(id, res.to_string());
         true
     }
