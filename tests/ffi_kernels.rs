@@ -314,9 +314,15 @@ fn autograd_convs_through_the_kernel() {
             "layer {i}: all three convolutions through the kernel"
         );
         assert_eq!(
-            lowered.matches("kernel_form = 1").count(),
+            lowered.matches("form = 1").count(),
             1,
             "layer {i}: the input gradient reads the forward weight:\n{lowered}"
+        );
+        // Ungrouped 2-d weight gradients read the forward input and cotangent directly.
+        assert_eq!(
+            lowered.matches("form = 2").count(),
+            usize::from(a.feature_groups == 1),
+            "layer {i}: weight gradient form:\n{lowered}"
         );
         let what = format!("layer {i} x{xs:?} k{ks:?} {a:?}");
         let (ef, en) = check(&what, &g, &ins, CONV_TARGET);

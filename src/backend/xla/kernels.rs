@@ -151,19 +151,26 @@ fn custom_call_attrs(
 /// The attributes (inside `{...}`) of a `stablehlo.custom_call` running `Op::Conv(c)` on
 /// operands of types `x`, `k` with result type `out` through [`CONV_TARGET`].
 pub fn conv_call_attrs(c: &ConvAttrs, x: &TensorType, k: &TensorType, out: &TensorType) -> String {
-    conv_call_attrs_form(c, x, k, out, KernelForm::Plain)
+    conv_call_attrs_form(c, x, k, out, ConvForm::Plain)
 }
 
-/// How the kernel operand of a [`CONV_TARGET`] call relates to the convolution's kernel.
+/// How the operands of a [`CONV_TARGET`] call relate to the convolution's input and kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KernelForm {
-    /// The operand is the kernel, `[O, C/g, *k]`.
+pub enum ConvForm {
+    /// The operands are the input and the kernel, `[N, C, *sp]` and `[O, C/g, *k]`.
     Plain = 0,
     /// The operand is a forward weight `w` (`[C, O/g, *k]`, C being the channels of this
     /// convolution's *output*) and the kernel is `w` spatially reversed with in and out
     /// channels swapped within each group: the input-gradient convolution of kiln's autograd,
     /// which libtorch runs as a transposed convolution on `w` itself.
     ForwardWeight = 1,
+    /// The weight-gradient convolution of kiln's autograd for a forward convolution of `x`
+    /// (`[N, C, *sp]`) with `g` feature groups, stride `s`, kernel dilation `r`: the operands
+    /// are `x` and the cotangent `ct` (`[N, O, *sp']`), and the convolution's input and kernel
+    /// are `x` regrouped to `[C/g, g*N, *sp]` and `ct` transposed to `[O, N, *sp']`; its
+    /// window strides are `r` and its kernel dilation `s`. 2-d ungrouped ones run as
+    /// libtorch's CPU weight gradient does (im2col of `x`, one matrix product with `ct`).
+    WeightGradient = 2,
 }
 
 /// [`conv_call_attrs`] with the kernel operand (of type `k`) in form `form`.
@@ -172,10 +179,10 @@ pub fn conv_call_attrs_form(
     x: &TensorType,
     k: &TensorType,
     out: &TensorType,
-    form: KernelForm,
+    form: ConvForm,
 ) -> String {
     let config = format!(
-        "batch_groups = {} : i64, feature_groups = {} : i64, kernel_form = {} : i64, lhs_dilation = {}, padding = {}, rhs_dilation = {}, strides = {}",
+        "batch_groups = {} : i64, feature_groups = {} : i64, form = {} : i64, lhs_dilation = {}, padding = {}, rhs_dilation = {}, strides = {}",
         c.batch_groups,
         c.feature_groups,
         form as i64,
@@ -201,7 +208,7 @@ pub fn dot_call_attrs(d: &DotDims, a: &TensorType, b: &TensorType, out: &TensorT
 /// If `kernel` (the kernel operand of a convolution with attributes `c` in graph `g`) is the
 /// spatially reversed, group-transposed copy of a forward weight `w` that kiln's autograd
 /// builds for an input gradient (`reverse(reshape(transpose(reshape(w))))`, see `conv_vjp`),
-/// returns `w`: the kernel can then read `w` directly ([`KernelForm::ForwardWeight`]) and
+/// returns `w`: the kernel can then read `w` directly ([`ConvForm::ForwardWeight`]) and
 /// XLA need not materialize the copy.
 pub fn forward_weight_of(g: &Graph, kernel: NodeId, c: &ConvAttrs) -> Option<NodeId> {
     let n = c.strides.len();
@@ -243,6 +250,61 @@ pub fn forward_weight_of(g: &Graph, kernel: NodeId, c: &ConvAttrs) -> Option<Nod
     expect.extend_from_slice(&wd[2..]);
     (g.node(tr.operands[0]).ty.shape.dims() == grouped.as_slice() && kt == expect.as_slice())
         .then_some(w)
+}
+
+/// If convolution `conv` of graph `g` is the weight-gradient convolution kiln's autograd
+/// builds (see `conv_vjp`) for a forward input `x` and cotangent `ct` — its input is `x`
+/// regrouped by `reshape(transpose(reshape(x)))` and its kernel `transpose(ct)` — returns
+/// `(x, ct)` ([`ConvForm::WeightGradient`]).
+pub fn weight_gradient_operands_of(g: &Graph, conv: NodeId) -> Option<(NodeId, NodeId)> {
+    let node = g.node(conv);
+    let c = match &node.op {
+        Op::Conv(c) => c,
+        _ => return None,
+    };
+    let n = c.strides.len();
+    let gr = c.feature_groups;
+    if c.batch_groups != 1 || node.operands.len() != 2 {
+        return None;
+    }
+    // rhs: transpose(1, 0, ...) of ct [N, O, *sp'].
+    let rt = g.node(node.operands[1]);
+    let mut p2 = vec![1, 0];
+    p2.extend(2..n + 2);
+    match &rt.op {
+        Op::Transpose(p) if *p == p2 => {}
+        _ => return None,
+    }
+    let ct = rt.operands[0];
+    // lhs: reshape [C/g, g*N, *sp] <- transpose(2, 1, 0, ...) <- reshape [N, g, C/g, *sp] <- x.
+    let mut cur = node.operands[0];
+    if matches!(g.node(cur).op, Op::Reshape(_)) {
+        cur = g.node(cur).operands[0];
+    }
+    let tr = g.node(cur);
+    let mut perm = vec![2, 1, 0];
+    perm.extend(3..n + 3);
+    match &tr.op {
+        Op::Transpose(p) if *p == perm => {}
+        _ => return None,
+    }
+    let mut x = tr.operands[0];
+    if matches!(g.node(x).op, Op::Reshape(_)) {
+        x = g.node(x).operands[0];
+    }
+    let (xt, ctt) = (&g.node(x).ty, &g.node(ct).ty);
+    let (xd, cd) = (xt.shape.dims(), ctt.shape.dims());
+    if xd.len() != n + 2 || cd.len() != n + 2 || xd[0] != cd[0] || xd[1] % gr != 0 {
+        return None;
+    }
+    let mut grouped = vec![xd[0], gr, xd[1] / gr];
+    grouped.extend_from_slice(&xd[2..]);
+    let mut lhs = vec![xd[1] / gr, gr * xd[0]];
+    lhs.extend_from_slice(&xd[2..]);
+    let ok = g.node(tr.operands[0]).ty.shape.dims() == grouped.as_slice()
+        && g.node(node.operands[0]).ty.shape.dims() == lhs.as_slice()
+        && xt.dtype == ctt.dtype;
+    ok.then_some((x, ct))
 }
 
 /// One full `stablehlo.custom_call` line (for tests and tools): `%res = ... : (x, k) -> out`.
@@ -399,14 +461,15 @@ impl FfiKernel for ConvKernel {
             )));
         }
         let c = conv_attrs_of(call)?;
-        let form = match call.attr_int("kernel_form")? {
-            0 => KernelForm::Plain,
-            1 => KernelForm::ForwardWeight,
-            f => return Err(Error::Invalid(format!("unknown kernel_form {f}"))),
+        let form = match call.attr_int("form")? {
+            0 => ConvForm::Plain,
+            1 => ConvForm::ForwardWeight,
+            2 => ConvForm::WeightGradient,
+            f => return Err(Error::Invalid(format!("unknown form {f}"))),
         };
         let (xb, kb, ob) = (call.arg(0)?, call.arg(1)?, call.ret(0)?);
-        let kdims = effective_kernel_dims(kb.dims, form, c.feature_groups as i64)?;
-        let want = conv_out_dims(&c, xb.dims, &kdims)?;
+        let (xdims, kdims) = effective_dims(xb.dims, kb.dims, form, c.feature_groups as i64)?;
+        let want = conv_out_dims(&c, &xdims, &kdims)?;
         if want != ob.dims {
             return Err(Error::Invalid(format!(
                 "convolution of {:?} by {:?} ({form:?}) with {c:?} gives {want:?}, the result buffer is {:?}",
@@ -516,12 +579,36 @@ pub fn conv_out_dims(c: &ConvAttrs, x: &[i64], k: &[i64]) -> Result<Vec<i64>> {
     Ok(out)
 }
 
-/// The dims of the kernel a [`CONV_TARGET`] call convolves with, given its kernel operand's
+/// The dims of the input and kernel a [`CONV_TARGET`] call convolves, given its operands'
 /// dims and form.
-pub fn effective_kernel_dims(k: &[i64], form: KernelForm, groups: i64) -> Result<Vec<i64>> {
+pub fn effective_dims(
+    x: &[i64],
+    k: &[i64],
+    form: ConvForm,
+    groups: i64,
+) -> Result<(Vec<i64>, Vec<i64>)> {
+    if form != ConvForm::WeightGradient {
+        return Ok((x.to_vec(), effective_kernel_dims(k, form, groups)?));
+    }
+    // x [N, C, *sp] -> [C/g, g*N, *sp]; ct [N, O, *sp'] -> [O, N, *sp'].
+    if x.len() < 3 || k.len() != x.len() || k[0] != x[0] || groups < 1 || x[1] % groups != 0 {
+        return Err(Error::Invalid(format!(
+            "weight gradient of input {x:?} and cotangent {k:?} with {groups} groups: shapes do not match"
+        )));
+    }
+    let mut xd = vec![x[1] / groups, groups * x[0]];
+    xd.extend_from_slice(&x[2..]);
+    let mut kd = vec![k[1], k[0]];
+    kd.extend_from_slice(&k[2..]);
+    Ok((xd, kd))
+}
+
+/// The dims of the kernel a [`CONV_TARGET`] call convolves with, given its kernel operand's
+/// dims and form ([`ConvForm::Plain`] or [`ConvForm::ForwardWeight`]).
+pub fn effective_kernel_dims(k: &[i64], form: ConvForm, groups: i64) -> Result<Vec<i64>> {
     match form {
-        KernelForm::Plain => Ok(k.to_vec()),
-        KernelForm::ForwardWeight => {
+        ConvForm::Plain | ConvForm::WeightGradient => Ok(k.to_vec()),
+        ConvForm::ForwardWeight => {
             if k.len() < 3 || groups < 1 || k[0] % groups != 0 {
                 return Err(Error::Invalid(format!(
                     "forward weight {k:?} does not split into {groups} groups"
@@ -536,19 +623,22 @@ pub fn effective_kernel_dims(k: &[i64], form: KernelForm, groups: i64) -> Result
 
 /// `Op::Conv(c)` of `x` by `k` with libtorch (the result may be a non-contiguous view).
 pub fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor) -> Result<Tensor> {
-    conv_form(c, x, k, KernelForm::Plain)
+    conv_form(c, x, k, ConvForm::Plain)
 }
 
-/// `Op::Conv(c)` of `x` by the kernel that `k` gives in form `form`.
-pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: KernelForm) -> Result<Tensor> {
-    if form == KernelForm::ForwardWeight {
+/// `Op::Conv(c)` of the input and kernel that operands `x` and `k` give in form `form`.
+pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: ConvForm) -> Result<Tensor> {
+    if form == ConvForm::WeightGradient {
+        return weight_gradient(c, x, k);
+    }
+    if form == ConvForm::ForwardWeight {
         // Without the transposed-convolution route below, materialize the kernel.
         let g = c.feature_groups as i64;
         if c.batch_groups > 1
             || transposed_params(c, &effective_kernel_dims(&k.size(), form, g)?).is_none()
         {
             let kk = transposed_weight(k, g)?;
-            return conv_form(c, x, &kk, KernelForm::Plain);
+            return conv_form(c, x, &kk, ConvForm::Plain);
         }
     }
     let xs = x.size();
@@ -566,7 +656,7 @@ pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: KernelForm) -> Res
     let rdil = i64s(&c.rhs_dilation);
     let g = c.feature_groups as i64;
     let no_lhs_dil = c.lhs_dilation.iter().all(|&d| d == 1);
-    if no_lhs_dil && form == KernelForm::Plain {
+    if no_lhs_dil && form == ConvForm::Plain {
         // Symmetric padding of `low` computes a prefix-extended result whenever high <= low.
         if c.padding.iter().all(|&(l, h)| l >= 0 && h <= l) {
             let pad: Vec<i64> = c.padding.iter().map(|p| p.0).collect();
@@ -598,8 +688,8 @@ pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: KernelForm) -> Res
     // Input-dilated (or given as a forward weight): a transposed convolution.
     if let Some((tpad, opad)) = transposed_params(c, &ks) {
         let w = match form {
-            KernelForm::Plain => transposed_weight(k, g)?,
-            KernelForm::ForwardWeight => k.shallow_clone(),
+            ConvForm::Plain | ConvForm::WeightGradient => transposed_weight(k, g)?,
+            ConvForm::ForwardWeight => k.shallow_clone(),
         };
         let ld = i64s(&c.lhs_dilation);
         let y = x.f_convolution(&w, None::<Tensor>, &ld, &tpad, &rdil, true, &opad, g)?;
@@ -617,6 +707,77 @@ pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: KernelForm) -> Res
         g,
     )?;
     narrow_to(y, &want)
+}
+
+/// Does a weight-gradient convolution with attributes `c`, input dims `lhs` (`[C/g, g*N,
+/// *sp]`) and kernel dims `rhs` (`[O, N, *sp']`) run as libtorch's own weight gradient
+/// (im2col and one matrix product, as `_slow_conv2d_backward` does: 2-d, one group, no
+/// forward kernel dilation, and the forward convolution's padding recoverable as symmetric)?
+fn slow_weight_gradient(c: &ConvAttrs, lhs: &[i64], rhs: &[i64]) -> bool {
+    let n = c.strides.len();
+    let Ok(out) = conv_out_dims(c, lhs, rhs) else {
+        return false;
+    };
+    n == 2
+        && c.feature_groups == 1
+        && c.batch_groups == 1
+        && c.strides.iter().all(|&s| s == 1)
+        && c.lhs_dilation.iter().all(|&d| d == 1)
+        && (0..n).all(|i| {
+            // The forward convolution: stride = this one's kernel dilation, padding = its
+            // low padding on both sides; its output must be the cotangent's extent.
+            let (p, s, k) = (c.padding[i].0, c.rhs_dilation[i] as i64, out[i + 2]);
+            let ext = lhs[i + 2] + 2 * p;
+            p >= 0 && ext >= k && (ext - k) / s + 1 == rhs[i + 2]
+        })
+}
+
+/// Whether the [`ConvForm::WeightGradient`] form of this convolution (operand types `x`,
+/// `k` as in the graph) saves work: only when it runs as libtorch's weight gradient.
+pub fn weight_gradient_direct(c: &ConvAttrs, x: &TensorType, k: &TensorType) -> bool {
+    slow_weight_gradient(c, &x.shape.to_i64(), &k.shape.to_i64())
+}
+
+/// The [`ConvForm::WeightGradient`] convolution of input `x` and cotangent `ct`.
+fn weight_gradient(c: &ConvAttrs, x: &Tensor, ct: &Tensor) -> Result<Tensor> {
+    let g = c.feature_groups as i64;
+    let (xs, cs) = (x.size(), ct.size());
+    let (lhs_dims, rhs_dims) = effective_dims(&xs, &cs, ConvForm::WeightGradient, g)?;
+    let want = conv_out_dims(c, &lhs_dims, &rhs_dims)?;
+    let n = c.strides.len();
+    let fwd_stride: Vec<i64> = c.rhs_dilation.iter().map(|&v| v as i64).collect();
+    let pad: Vec<i64> = c.padding.iter().map(|p| p.0).collect();
+    let ksz: Vec<i64> = want[2..].to_vec();
+    let slow_ok = slow_weight_gradient(c, &lhs_dims, &rhs_dims);
+    if slow_ok {
+        // libtorch's own CPU weight gradient (as `_slow_conv2d_backward` computes it):
+        // patches [N, C*kh*kw, L] of the padded input times the cotangent [N, O, L], as one
+        // matrix product over N*L: dW [O, C*kh*kw]. The call's result is dW transposed,
+        // [C, O, kh, kw].
+        let cols = x.f_im2col(&ksz, [1i64, 1], &pad, &fwd_stride)?;
+        let (nb, ck, l) = (xs[0], xs[1] * ksz[0] * ksz[1], cs[2] * cs[3]);
+        let a = ct
+            .f_reshape([nb, cs[1], l])?
+            .f_permute([1i64, 0, 2])?
+            .f_reshape([cs[1], nb * l])?;
+        let b = cols.f_permute([1i64, 0, 2])?.f_reshape([ck, nb * l])?;
+        let dw = a.f_mm(&b.f_tr()?)?;
+        return Ok(dw
+            .f_view([cs[1], xs[1], ksz[0], ksz[1]])?
+            .f_transpose(0, 1)?);
+    }
+    let mut grouped = vec![xs[0], g, xs[1] / g];
+    grouped.extend_from_slice(&xs[2..]);
+    let mut perm = vec![2i64, 1, 0];
+    perm.extend(3..n as i64 + 3);
+    let lhs = x
+        .f_reshape(&grouped)?
+        .f_permute(&perm)?
+        .f_reshape(&lhs_dims)?;
+    let mut p2 = vec![1i64, 0];
+    p2.extend(2..n as i64 + 2);
+    let rhs = ct.f_permute(&p2)?.f_contiguous()?;
+    conv_form(c, &lhs, &rhs, ConvForm::Plain)
 }
 
 /// A convolution with window stride 1 (and no batch groups) is a transposed convolution with

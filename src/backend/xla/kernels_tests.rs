@@ -65,11 +65,11 @@ fn forward_weight_form_equals_plain_form() {
         let k = transposed_weight(&w, g).unwrap();
         assert_eq!(k.size(), vec![8, 4 / g, 3, 3]);
         assert_eq!(
-            effective_kernel_dims(&w.size(), KernelForm::ForwardWeight, g).unwrap(),
+            effective_kernel_dims(&w.size(), ConvForm::ForwardWeight, g).unwrap(),
             k.size()
         );
         let plain = conv(c, &x, &k).unwrap();
-        let fw = conv_form(c, &x, &w, KernelForm::ForwardWeight).unwrap();
+        let fw = conv_form(c, &x, &w, ConvForm::ForwardWeight).unwrap();
         let d = max_diff(&plain, &fw);
         assert!(d < 1e-12, "case {i} {c:?}: differ by {d}");
         // The plain form against libtorch's own convolution of the explicitly padded input.
@@ -102,6 +102,14 @@ fn forward_weight_is_found_only_in_the_autograd_pattern() {
         op => panic!("input gradient is {op:?}"),
     };
     assert_eq!(forward_weight_of(&g, kernel, &dc), Some(w));
+    // The weight gradient: transpose(conv(regrouped x, transposed ct)).
+    let grads = crate::autograd::vjp(&mut g, y, ct, &[false, true]).unwrap();
+    let dw = grads[1].unwrap();
+    let wconv = g.node(dw).operands[0];
+    assert!(matches!(g.node(wconv).op, Op::Conv(_)));
+    assert_eq!(weight_gradient_operands_of(&g, wconv), Some((x, ct)));
+    assert_eq!(weight_gradient_operands_of(&g, y), None);
+    assert_eq!(weight_gradient_operands_of(&g, dx), None);
     // A reversed input is not a forward weight; nor is the forward convolution's kernel.
     let r = g.add(Op::Reverse(vec![2, 3]), &[w]).unwrap();
     assert_eq!(forward_weight_of(&g, r, &dc), None);
@@ -145,4 +153,63 @@ fn malformed_attributes_and_shapes_are_errors() {
         conv_out_dims(&c, &[1, 4, 5, 5], &[2, 4, 3, 3]).unwrap(),
         vec![1, 2, 3, 3]
     );
+}
+
+/// The weight-gradient form (input and cotangent as they are) equals the plain convolution of
+/// the regrouped input by the transposed cotangent, on libtorch's weight-gradient route and
+/// on the fallback; the route is taken exactly when `weight_gradient_direct` says so.
+#[test]
+fn weight_gradient_form_equals_plain_form() {
+    // (input [N, C, H, W], kernel k, forward stride, forward padding (lo, hi), groups)
+    let cases = [
+        ([2i64, 4, 8, 8], 3i64, 1usize, (1i64, 1i64), 1usize, true),
+        ([2, 4, 8, 7], 3, 2, (1, 1), 1, true),
+        ([2, 4, 7, 7], 1, 2, (0, 0), 1, true),
+        ([1, 3, 13, 13], 7, 2, (3, 3), 1, true),
+        ([2, 4, 8, 8], 3, 1, (1, 1), 2, false), // grouped: fallback
+        ([2, 4, 8, 8], 3, 1, (0, 2), 1, false), // asymmetric forward padding: fallback
+    ];
+    for (i, (xs, k, s, (lo, hi), g, direct)) in cases.into_iter().enumerate() {
+        let sp: Vec<i64> = (0..2)
+            .map(|d| (xs[d + 2] + lo + hi - k) / s as i64 + 1)
+            .collect();
+        let o = 6i64;
+        let x = seeded(&xs, i as i64);
+        let ct = seeded(&[xs[0], o, sp[0], sp[1]], 20 + i as i64);
+        // The weight-gradient convolution kiln's autograd builds (conv_vjp).
+        let mut c = ConvAttrs::plain(2);
+        c.strides = vec![1, 1];
+        c.rhs_dilation = vec![s, s];
+        c.feature_groups = g;
+        c.padding = (0..2)
+            .map(|d| {
+                let (xd, kd, od) = (xs[d + 2], k, (sp[d] - 1) * s as i64 + 1);
+                (lo, od - xd + kd - lo - 1)
+            })
+            .collect();
+        let gi = g as i64;
+        let lhs = x
+            .reshape([xs[0], gi, xs[1] / gi, xs[2], xs[3]])
+            .permute([2, 1, 0, 3, 4])
+            .reshape([xs[1] / gi, gi * xs[0], xs[2], xs[3]]);
+        let rhs = ct.permute([1, 0, 2, 3]).contiguous();
+        let lt = TensorType::new(
+            DType::F64,
+            lhs.size().iter().map(|&d| d as usize).collect::<Vec<_>>(),
+        );
+        let rt = TensorType::new(
+            DType::F64,
+            rhs.size().iter().map(|&d| d as usize).collect::<Vec<_>>(),
+        );
+        assert_eq!(
+            weight_gradient_direct(&c, &lt, &rt),
+            direct,
+            "case {i} {c:?}"
+        );
+        let plain = conv(&c, &lhs, &rhs).unwrap();
+        assert_eq!(plain.size(), vec![xs[1] / gi, o, k, k]);
+        let wg = conv_form(&c, &x, &ct, ConvForm::WeightGradient).unwrap();
+        let d = max_diff(&plain, &wg);
+        assert!(d < 1e-10, "case {i} {c:?}: differ by {d}");
+    }
 }

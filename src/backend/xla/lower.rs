@@ -5,7 +5,7 @@
 //! inputs carry `tf.aliasing_output`, the attribute PJRT reads for input/output aliasing.
 
 use super::conv::{im2col_graph, ConvLowering, ConvStrategy};
-use super::kernels::{self, FfiMode, KernelForm};
+use super::kernels::{self, ConvForm, FfiMode};
 use crate::error::{Error, Result};
 use crate::ir::{
     BinaryOp, CompareOp, ConvAttrs, DType, Graph, Literal, NodeId, Op, ReduceKind, TensorType,
@@ -241,15 +241,24 @@ impl<'g> Emitter<'g> {
         let attrs = match &n.op {
             Op::Conv(c) if self.ffi.conv(c, a, b) => {
                 // An input gradient reads the forward weight directly, without the reversed
-                // copy that the graph builds for it (left unused, XLA drops it).
-                match kernels::forward_weight_of(self.g, n.operands[1], c) {
-                    Some(w) => {
+                // copy that the graph builds for it, and a weight gradient reads the forward
+                // input and cotangent (the copies, left unused, are dropped by XLA).
+                let wgrad = kernels::weight_gradient_operands_of(self.g, id)
+                    .filter(|_| kernels::weight_gradient_direct(c, a, b));
+                match (wgrad, kernels::forward_weight_of(self.g, n.operands[1], c)) {
+                    (Some((x, ct)), _) => {
+                        let (xt, ctt) = (&self.g.node(x).ty, &self.g.node(ct).ty);
+                        args = vec![self.name(x).to_string(), self.name(ct).to_string()];
+                        arg_tys = vec![tensor_type(xt), tensor_type(ctt)];
+                        kernels::conv_call_attrs_form(c, xt, ctt, &n.ty, ConvForm::WeightGradient)
+                    }
+                    (None, Some(w)) => {
                         let wt = &self.g.node(w).ty;
                         args[1] = self.name(w).to_string();
                         arg_tys[1] = tensor_type(wt);
-                        kernels::conv_call_attrs_form(c, a, wt, &n.ty, KernelForm::ForwardWeight)
+                        kernels::conv_call_attrs_form(c, a, wt, &n.ty, ConvForm::ForwardWeight)
                     }
-                    None => kernels::conv_call_attrs(c, a, b, &n.ty),
+                    (None, None) => kernels::conv_call_attrs(c, a, b, &n.ty),
                 }
             }
             Op::DotGeneral(d) if self.ffi.dot(d, a, b) => kernels::dot_call_attrs(d, a, b, &n.ty),
