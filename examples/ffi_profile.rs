@@ -5,6 +5,12 @@
 //! figure is the best round (µs per call), the least disturbed by other processes on a
 //! shared machine. The `ffi?` column is the choice of [`FfiMode::Auto`].
 //!
+//! Convolutions: each distinct forward convolution of the model (`fwd`) and, for training,
+//! its input gradient (`dx`) and weight gradient (`dw`), each built alone by kiln's autograd
+//! (so with the reversed kernel / transposed operands the training graph has, which the FFI
+//! lowering reads through). Rows show the forward convolution's input, kernel, stride,
+//! padding and groups. Dots: every distinct `dot_general` of the training step.
+//!
 //! `--e2e` instead times whole models (inference and the fused training step): eager
 //! (libtorch), XLA without kernels, XLA with [`FfiMode::Auto`] and with [`FfiMode::All`].
 //!
@@ -22,10 +28,11 @@
 //! ([`kernels::set_threads`]); `--no-lock` lets kernels run concurrently
 //! ([`kernels::set_serialized`]); `--no-torch` drops the eager column.
 
+use kiln::autograd::vjp;
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::{kernels, ConvStrategy, FfiMode, XlaBackend, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
-use kiln::ir::{ConvAttrs, DotDims, Graph, InputKind, Op, TensorType};
+use kiln::ir::{ConvAttrs, DotDims, Graph, InputKind, NodeId, Op, TensorType};
 use kiln::optim::Sgd;
 use kiln::train::{TrainMode, TrainStep};
 use kiln::zoo::{self, Model};
@@ -187,33 +194,91 @@ fn interleaved(rs: &mut [Runner], reps: usize) -> kiln::Result<Vec<f64>> {
     Ok(times.into_iter().map(best).collect())
 }
 
-/// One distinct convolution or dot of a model.
+/// What of a forward convolution a timed graph computes.
+#[derive(Clone, Copy, PartialEq)]
+enum Part {
+    Forward,
+    /// The input gradient (autograd's graph: reversed kernel + convolution).
+    InputGrad,
+    /// The weight gradient (autograd's graph: transposes + convolution + transpose).
+    WeightGrad,
+}
+
+/// One distinct convolution (part) or dot of a model.
 #[derive(Clone)]
 enum Item {
-    Conv(ConvAttrs, TensorType, TensorType),
+    Conv(Part, ConvAttrs, TensorType, TensorType),
     Dot(DotDims, TensorType, TensorType),
 }
 
-fn conv_key(c: &ConvAttrs, x: &TensorType, w: &TensorType) -> String {
-    let kind = if c.lhs_dilation.iter().any(|&d| d > 1) {
-        "dx/s2"
-    } else if c.batch_groups > 1 || x.shape.dim(1) != w.shape.dim(1) * c.feature_groups {
-        "?"
-    } else if w.shape.dims()[2..].iter().product::<usize>() > 49 {
-        "dw"
-    } else if c.feature_groups > 1 {
-        "group"
-    } else {
-        "fwd|dx"
+impl Item {
+    /// The one-op graph (dots, forward convolutions) or the autograd graph of one gradient,
+    /// with the convolution node that lowering decides on.
+    fn graph(&self) -> kiln::Result<(Graph, NodeId, TensorType, TensorType)> {
+        let mut g = Graph::new();
+        let (op, at, bt) = match self {
+            Item::Conv(_, c, x, w) => (Op::Conv(c.clone()), x, w),
+            Item::Dot(d, a, b) => (Op::DotGeneral(d.clone()), a, b),
+        };
+        let a = g.add_input(InputKind::Data, "a", at.clone());
+        let b = g.add_input(InputKind::Parameter, "b", bt.clone());
+        let y = g.add(op, &[a, b])?;
+        let part = match self {
+            Item::Conv(p, ..) => *p,
+            Item::Dot(..) => Part::Forward,
+        };
+        if part == Part::Forward {
+            g.set_outputs(vec![y])?;
+            return Ok((g, y, at.clone(), bt.clone()));
+        }
+        let yt = g.node(y).ty.clone();
+        let ct = g.add_input(InputKind::Cotangent, "ct", yt);
+        let need = [part == Part::InputGrad, part == Part::WeightGrad];
+        let grads = vjp(&mut g, y, ct, &need)?;
+        let out = grads[usize::from(part == Part::WeightGrad)]
+            .ok_or_else(|| kiln::Error::Invalid("no gradient".into()))?;
+        g.set_outputs(vec![out])?;
+        kiln::passes::simplify(&mut g)?;
+        // The gradient's convolution (the last one in topological order).
+        let conv = g
+            .topo_order()
+            .into_iter()
+            .filter(|&n| matches!(g.node(n).op, Op::Conv(_)))
+            .last()
+            .ok_or_else(|| kiln::Error::Invalid("no convolution".into()))?;
+        let n = g.node(conv);
+        let (ct, kt) = (
+            g.node(n.operands[0]).ty.clone(),
+            g.node(n.operands[1]).ty.clone(),
+        );
+        Ok((g, conv, ct, kt))
+    }
+}
+
+fn conv_key(part: Part, c: &ConvAttrs, x: &TensorType, w: &TensorType) -> String {
+    let kind = match part {
+        Part::Forward => "fwd",
+        Part::InputGrad => "dx",
+        Part::WeightGrad => "dw",
     };
+    let sq = |v: &[usize]| {
+        if v.iter().all(|&a| a == v[0]) {
+            v[0].to_string()
+        } else {
+            format!("{v:?}")
+        }
+    };
+    let pads: Vec<String> = c.padding.iter().map(|(l, h)| format!("{l},{h}")).collect();
     format!(
-        "conv {kind:<6} x{:?} w{:?} s{:?} p{:?} ld{:?} rd{:?} g{}",
+        "conv {kind:<3} x{:?} w{:?} s{} p{} g{}",
         x.shape.dims(),
         w.shape.dims(),
-        c.strides,
-        c.padding,
-        c.lhs_dilation,
-        c.rhs_dilation,
+        sq(&c.strides),
+        if pads.iter().all(|p| *p == pads[0]) {
+            pads[0].clone()
+        } else {
+            pads.join("/")
+        },
         c.feature_groups,
     )
 }
@@ -238,49 +303,71 @@ fn capture(
 ) -> kiln::Result<BTreeMap<String, (Item, usize)>> {
     let model: Rc<dyn Model> = Rc::from(zoo::build(name, 0)?);
     let inputs = model.example_inputs(4, 1)?;
-    let graphs = Arc::new(Mutex::new(Vec::new()));
-    let rec = Recorder {
-        inner: xla.with_options(XlaOptions::plain()),
-        graphs: graphs.clone(),
+    let record = |train: bool| -> kiln::Result<Vec<Graph>> {
+        let graphs = Arc::new(Mutex::new(Vec::new()));
+        let rec = Recorder {
+            inner: xla.with_options(XlaOptions::plain()),
+            graphs: graphs.clone(),
+        };
+        let m = model.clone();
+        if train {
+            let mut step = TrainStep::new(
+                rec,
+                model.store(),
+                Sgd::new().momentum(0.9),
+                move |xs: &[Tensor]| {
+                    let out = m.forward(xs, true)?;
+                    m.loss(&out, xs)
+                },
+            )?
+            .with_mode(TrainMode::Fused)
+            .with_lr(1e-3);
+            step.step(&inputs)?;
+        } else {
+            let mut f = compile(rec, move |xs: &[Tensor]| Ok(vec![m.forward(xs, false)?]));
+            f.run(&inputs)?;
+        }
+        let g = graphs.lock().unwrap().clone();
+        Ok(g)
     };
-    if inference {
-        let m = model.clone();
-        let mut f = compile(rec, move |xs: &[Tensor]| Ok(vec![m.forward(xs, false)?]));
-        f.run(&inputs)?;
-    } else {
-        let m = model.clone();
-        let mut step = TrainStep::new(
-            rec,
-            model.store(),
-            Sgd::new().momentum(0.9),
-            move |xs: &[Tensor]| {
-                let out = m.forward(xs, true)?;
-                m.loss(&out, xs)
-            },
-        )?
-        .with_mode(TrainMode::Fused)
-        .with_lr(1e-3);
-        step.step(&inputs)?;
-    }
     let mut found: BTreeMap<String, (Item, usize)> = BTreeMap::new();
-    for g in graphs.lock().unwrap().iter() {
+    let mut add = |key: String, item: Item| found.entry(key).or_insert((item, 0)).1 += 1;
+    // Forward convolutions from the inference graph; their gradients built alone.
+    for g in record(false)? {
         for id in g.topo_order() {
             let n = g.node(id);
-            let item = match &n.op {
-                Op::Conv(c) => {
-                    let (x, w) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
-                    (
-                        conv_key(c, x, w),
-                        Item::Conv(c.clone(), x.clone(), w.clone()),
-                    )
+            if let Op::Conv(c) = &n.op {
+                let (x, w) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
+                let mut parts = vec![Part::Forward];
+                if !inference {
+                    // The stem's input is data: no input gradient in training.
+                    if !matches!(g.node(n.operands[0]).op, Op::Input(_)) {
+                        parts.push(Part::InputGrad);
+                    }
+                    parts.push(Part::WeightGrad);
                 }
-                Op::DotGeneral(d) => {
+                for p in parts {
+                    add(
+                        conv_key(p, c, x, w),
+                        Item::Conv(p, c.clone(), x.clone(), w.clone()),
+                    );
+                }
+            }
+            if let (true, Op::DotGeneral(d)) = (inference, &n.op) {
+                let (a, b) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
+                add(dot_key(d, a, b), Item::Dot(d.clone(), a.clone(), b.clone()));
+            }
+        }
+    }
+    if !inference {
+        for g in record(true)? {
+            for id in g.topo_order() {
+                let n = g.node(id);
+                if let Op::DotGeneral(d) = &n.op {
                     let (a, b) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
-                    (dot_key(d, a, b), Item::Dot(d.clone(), a.clone(), b.clone()))
+                    add(dot_key(d, a, b), Item::Dot(d.clone(), a.clone(), b.clone()));
                 }
-                _ => continue,
-            };
-            found.entry(item.0).or_insert((item.1, 0)).1 += 1;
+            }
         }
     }
     Ok(found)
@@ -416,7 +503,7 @@ fn main() -> kiln::Result<()> {
             found.len()
         );
         println!(
-            "{:<100} {:>3} {:>9} {:>9} {:>9} {:>9} {:>5}",
+            "{:<64} {:>3} {:>9} {:>9} {:>9} {:>9} {:>5}",
             "op", "n", "xla", "im2col", "ffi", "eager", "ffi?"
         );
         let mut tot = [0.0f64; 5];
@@ -429,16 +516,18 @@ fn main() -> kiln::Result<()> {
             if !args.filter.is_empty() && !args.filter.iter().any(|f| key.contains(f.as_str())) {
                 continue;
             }
-            let mut g = Graph::new();
-            let (op, at, bt, auto) = match item {
-                Item::Conv(c, x, w) => (Op::Conv(c.clone()), x, w, FfiMode::Auto.conv(c, x, w)),
-                Item::Dot(d, a, b) => (Op::DotGeneral(d.clone()), a, b, FfiMode::Auto.dot(d, a, b)),
+            let (g, node, at, bt) = item.graph()?;
+            let auto = match &g.node(node).op {
+                Op::Conv(c) => FfiMode::Auto.conv(c, &at, &bt),
+                Op::DotGeneral(d) => FfiMode::Auto.dot(d, &at, &bt),
+                _ => false,
             };
-            let a = g.add_input(InputKind::Data, "a", at.clone());
-            let b = g.add_input(InputKind::Data, "b", bt.clone());
-            let y = g.add(op, &[a, b])?;
-            g.set_outputs(vec![y])?;
-            let ins = vec![random(at, 1)?, random(bt, 2)?];
+            let ins: Vec<HostTensor> = g
+                .inputs()
+                .iter()
+                .enumerate()
+                .map(|(i, inp)| random(&inp.ty, i as u64 + 1))
+                .collect::<kiln::Result<_>>()?;
             let is_conv = matches!(item, Item::Conv(..));
             let mut rs = vec![runner(native.clone(), &g, &ins)?];
             if is_conv {
@@ -463,7 +552,7 @@ fn main() -> kiln::Result<()> {
                 }
             }
             println!(
-                "{key:<100} {count:>3} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>5}",
+                "{key:<64} {count:>3} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>5}",
                 t[0] * 1e6,
                 t[1] * 1e6,
                 t[2] * 1e6,
@@ -472,7 +561,7 @@ fn main() -> kiln::Result<()> {
             );
         }
         println!(
-            "{:<100} {:>3} {:>9.0} {:>9.0} {:>9.0} {:>9.0}   (auto: {:.0})",
+            "{:<64} {:>3} {:>9.0} {:>9.0} {:>9.0} {:>9.0}   (auto: {:.0})",
             "total µs (weighted by count; im2col: convs only)",
             "",
             tot[0] * 1e6,

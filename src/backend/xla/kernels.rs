@@ -171,6 +171,123 @@ pub enum ConvForm {
     /// window strides are `r` and its kernel dilation `s`. 2-d ungrouped ones run as
     /// libtorch's CPU weight gradient does (im2col of `x`, one matrix product with `ct`).
     WeightGradient = 2,
+    /// [`ConvForm::WeightGradient`] with the result transposed to the weight's layout
+    /// `[O, C/g, *k]`: the weight gradient itself (the convolution and the transpose autograd
+    /// puts after it, as one call).
+    WeightGradientTransposed = 3,
+}
+
+/// How the XLA backend lowers one node to a libtorch kernel ([`ffi_lowering`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum FfiLowering {
+    /// A `stablehlo.custom_call` on these operand nodes with these attributes (inside
+    /// `{...}`), of the node's result type.
+    Call {
+        /// The operands, in order.
+        operands: Vec<NodeId>,
+        /// The custom call's attributes.
+        attrs: String,
+    },
+    /// Nothing: every user of the node is lowered to a call that reads the node's operands
+    /// itself.
+    Absorbed,
+}
+
+/// Whether node `id` of `g` becomes a libtorch kernel call under `mode`, and how:
+/// convolutions ([`CONV_TARGET`], reading through autograd's kernel reversal and operand
+/// transposes, see [`ConvForm`]), the transpose that turns a weight-gradient convolution into
+/// the weight gradient, and dots ([`DOT_TARGET`]). `None`: XLA lowers the node.
+pub fn ffi_lowering(g: &Graph, id: NodeId, mode: FfiMode) -> Option<FfiLowering> {
+    if mode == FfiMode::Off {
+        return None;
+    }
+    let n = g.node(id);
+    let ty = |o: NodeId| &g.node(o).ty;
+    match &n.op {
+        Op::DotGeneral(d) if n.operands.len() == 2 => {
+            let (a, b) = (ty(n.operands[0]), ty(n.operands[1]));
+            mode.dot(d, a, b).then(|| FfiLowering::Call {
+                operands: n.operands.to_vec(),
+                attrs: dot_call_attrs(d, a, b, &n.ty),
+            })
+        }
+        Op::Conv(c) if n.operands.len() == 2 => {
+            let (a, b) = (ty(n.operands[0]), ty(n.operands[1]));
+            if !mode.conv(c, a, b) {
+                return None;
+            }
+            if let Some((x, ct)) = direct_weight_gradient(g, id, mode) {
+                let users = g.users(id);
+                let absorbed = !users.is_empty()
+                    && !g.outputs().contains(&id)
+                    && users.iter().all(|&u| absorbs_weight_gradient(g, u, mode));
+                if absorbed {
+                    return Some(FfiLowering::Absorbed);
+                }
+                return Some(FfiLowering::Call {
+                    operands: vec![x, ct],
+                    attrs: conv_call_attrs_form(c, ty(x), ty(ct), &n.ty, ConvForm::WeightGradient),
+                });
+            }
+            if let Some(w) = forward_weight_of(g, n.operands[1], c) {
+                return Some(FfiLowering::Call {
+                    operands: vec![n.operands[0], w],
+                    attrs: conv_call_attrs_form(c, a, ty(w), &n.ty, ConvForm::ForwardWeight),
+                });
+            }
+            Some(FfiLowering::Call {
+                operands: n.operands.to_vec(),
+                attrs: conv_call_attrs(c, a, b, &n.ty),
+            })
+        }
+        Op::Transpose(_) if absorbs_weight_gradient(g, id, mode) => {
+            let conv = n.operands[0];
+            let (x, ct) = direct_weight_gradient(g, conv, mode)?;
+            let Op::Conv(c) = &g.node(conv).op else {
+                return None;
+            };
+            Some(FfiLowering::Call {
+                operands: vec![x, ct],
+                attrs: conv_call_attrs_form(
+                    c,
+                    ty(x),
+                    ty(ct),
+                    &n.ty,
+                    ConvForm::WeightGradientTransposed,
+                ),
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The forward input and cotangent of convolution `conv` if it is a weight-gradient
+/// convolution that `mode` hands to libtorch and that runs as libtorch's weight gradient.
+fn direct_weight_gradient(g: &Graph, conv: NodeId, mode: FfiMode) -> Option<(NodeId, NodeId)> {
+    let n = g.node(conv);
+    let Op::Conv(c) = &n.op else {
+        return None;
+    };
+    let (a, b) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
+    if !mode.conv(c, a, b) || !weight_gradient_direct(c, a, b) {
+        return None;
+    }
+    weight_gradient_operands_of(g, conv)
+}
+
+/// Is node `t` a `transpose(1, 0, ...)` of a weight-gradient convolution that
+/// [`direct_weight_gradient`] accepts?
+fn absorbs_weight_gradient(g: &Graph, t: NodeId, mode: FfiMode) -> bool {
+    let n = g.node(t);
+    let Op::Transpose(p) = &n.op else {
+        return false;
+    };
+    let r = p.len();
+    r >= 3
+        && p[0] == 1
+        && p[1] == 0
+        && p[2..].iter().copied().eq(2..r)
+        && direct_weight_gradient(g, n.operands[0], mode).is_some()
 }
 
 /// [`conv_call_attrs`] with the kernel operand (of type `k`) in form `form`.
@@ -465,11 +582,15 @@ impl FfiKernel for ConvKernel {
             0 => ConvForm::Plain,
             1 => ConvForm::ForwardWeight,
             2 => ConvForm::WeightGradient,
+            3 => ConvForm::WeightGradientTransposed,
             f => return Err(Error::Invalid(format!("unknown form {f}"))),
         };
         let (xb, kb, ob) = (call.arg(0)?, call.arg(1)?, call.ret(0)?);
         let (xdims, kdims) = effective_dims(xb.dims, kb.dims, form, c.feature_groups as i64)?;
-        let want = conv_out_dims(&c, &xdims, &kdims)?;
+        let mut want = conv_out_dims(&c, &xdims, &kdims)?;
+        if form == ConvForm::WeightGradientTransposed {
+            want.swap(0, 1);
+        }
         if want != ob.dims {
             return Err(Error::Invalid(format!(
                 "convolution of {:?} by {:?} ({form:?}) with {c:?} gives {want:?}, the result buffer is {:?}",
@@ -478,10 +599,17 @@ impl FfiKernel for ConvKernel {
         }
         let _guard = torch_lock();
         let (x, k, out) = (xb.tensor()?, kb.tensor()?, ob.tensor()?);
-        let r = conv_form(&c, &x, &k, form)?;
-        // A second handle on the same storage: `copy_` takes `&mut`.
-        out.shallow_clone().f_copy_(&r)?;
-        Ok(())
+        match form {
+            ConvForm::WeightGradient | ConvForm::WeightGradientTransposed => {
+                weight_gradient_into(&c, &x, &k, &out, form == ConvForm::WeightGradientTransposed)
+            }
+            _ => {
+                let r = conv_form(&c, &x, &k, form)?;
+                // A second handle on the same storage: `copy_` takes `&mut`.
+                out.shallow_clone().f_copy_(&r)?;
+                Ok(())
+            }
+        }
     }
 }
 
@@ -587,7 +715,10 @@ pub fn effective_dims(
     form: ConvForm,
     groups: i64,
 ) -> Result<(Vec<i64>, Vec<i64>)> {
-    if form != ConvForm::WeightGradient {
+    if !matches!(
+        form,
+        ConvForm::WeightGradient | ConvForm::WeightGradientTransposed
+    ) {
         return Ok((x.to_vec(), effective_kernel_dims(k, form, groups)?));
     }
     // x [N, C, *sp] -> [C/g, g*N, *sp]; ct [N, O, *sp'] -> [O, N, *sp'].
@@ -607,7 +738,9 @@ pub fn effective_dims(
 /// dims and form ([`ConvForm::Plain`] or [`ConvForm::ForwardWeight`]).
 pub fn effective_kernel_dims(k: &[i64], form: ConvForm, groups: i64) -> Result<Vec<i64>> {
     match form {
-        ConvForm::Plain | ConvForm::WeightGradient => Ok(k.to_vec()),
+        ConvForm::Plain | ConvForm::WeightGradient | ConvForm::WeightGradientTransposed => {
+            Ok(k.to_vec())
+        }
         ConvForm::ForwardWeight => {
             if k.len() < 3 || groups < 1 || k[0] % groups != 0 {
                 return Err(Error::Invalid(format!(
@@ -628,8 +761,19 @@ pub fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor) -> Result<Tensor> {
 
 /// `Op::Conv(c)` of the input and kernel that operands `x` and `k` give in form `form`.
 pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: ConvForm) -> Result<Tensor> {
-    if form == ConvForm::WeightGradient {
-        return weight_gradient(c, x, k);
+    if matches!(
+        form,
+        ConvForm::WeightGradient | ConvForm::WeightGradientTransposed
+    ) {
+        let t = form == ConvForm::WeightGradientTransposed;
+        let (xd, kd) = effective_dims(&x.size(), &k.size(), form, c.feature_groups as i64)?;
+        let mut dims = conv_out_dims(c, &xd, &kd)?;
+        if t {
+            dims.swap(0, 1);
+        }
+        let out = Tensor::f_empty(&dims, (x.kind(), x.device()))?;
+        weight_gradient_into(c, x, k, &out, t)?;
+        return Ok(out);
     }
     if form == ConvForm::ForwardWeight {
         // Without the transposed-convolution route below, materialize the kernel.
@@ -688,7 +832,9 @@ pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: ConvForm) -> Resul
     // Input-dilated (or given as a forward weight): a transposed convolution.
     if let Some((tpad, opad)) = transposed_params(c, &ks) {
         let w = match form {
-            ConvForm::Plain | ConvForm::WeightGradient => transposed_weight(k, g)?,
+            ConvForm::Plain | ConvForm::WeightGradient | ConvForm::WeightGradientTransposed => {
+                transposed_weight(k, g)?
+            }
             ConvForm::ForwardWeight => k.shallow_clone(),
         };
         let ld = i64s(&c.lhs_dilation);
@@ -738,33 +884,42 @@ pub fn weight_gradient_direct(c: &ConvAttrs, x: &TensorType, k: &TensorType) -> 
     slow_weight_gradient(c, &x.shape.to_i64(), &k.shape.to_i64())
 }
 
-/// The [`ConvForm::WeightGradient`] convolution of input `x` and cotangent `ct`.
-fn weight_gradient(c: &ConvAttrs, x: &Tensor, ct: &Tensor) -> Result<Tensor> {
+/// The [`ConvForm::WeightGradient`] convolution of input `x` and cotangent `ct`, written
+/// into `out` (contiguous; `[C/g, O, *k]`, or `[O, C/g, *k]` when `transposed`).
+fn weight_gradient_into(
+    c: &ConvAttrs,
+    x: &Tensor,
+    ct: &Tensor,
+    out: &Tensor,
+    transposed: bool,
+) -> Result<()> {
     let g = c.feature_groups as i64;
     let (xs, cs) = (x.size(), ct.size());
     let (lhs_dims, rhs_dims) = effective_dims(&xs, &cs, ConvForm::WeightGradient, g)?;
     let want = conv_out_dims(c, &lhs_dims, &rhs_dims)?;
     let n = c.strides.len();
-    let fwd_stride: Vec<i64> = c.rhs_dilation.iter().map(|&v| v as i64).collect();
-    let pad: Vec<i64> = c.padding.iter().map(|p| p.0).collect();
-    let ksz: Vec<i64> = want[2..].to_vec();
-    let slow_ok = slow_weight_gradient(c, &lhs_dims, &rhs_dims);
-    if slow_ok {
+    let mut out = out.shallow_clone();
+    if slow_weight_gradient(c, &lhs_dims, &rhs_dims) {
         // libtorch's own CPU weight gradient (as `_slow_conv2d_backward` computes it):
         // patches [N, C*kh*kw, L] of the padded input times the cotangent [N, O, L], as one
-        // matrix product over N*L: dW [O, C*kh*kw]. The call's result is dW transposed,
-        // [C, O, kh, kw].
+        // matrix product over N*L: dW [O, C*kh*kw], the transposed result.
+        let fwd_stride: Vec<i64> = c.rhs_dilation.iter().map(|&v| v as i64).collect();
+        let pad: Vec<i64> = c.padding.iter().map(|p| p.0).collect();
+        let ksz: Vec<i64> = want[2..].to_vec();
         let cols = x.f_im2col(&ksz, [1i64, 1], &pad, &fwd_stride)?;
-        let (nb, ck, l) = (xs[0], xs[1] * ksz[0] * ksz[1], cs[2] * cs[3]);
+        let (nb, o, ck, l) = (xs[0], cs[1], xs[1] * ksz[0] * ksz[1], cs[2] * cs[3]);
         let a = ct
-            .f_reshape([nb, cs[1], l])?
+            .f_reshape([nb, o, l])?
             .f_permute([1i64, 0, 2])?
-            .f_reshape([cs[1], nb * l])?;
+            .f_reshape([o, nb * l])?;
         let b = cols.f_permute([1i64, 0, 2])?.f_reshape([ck, nb * l])?;
-        let dw = a.f_mm(&b.f_tr()?)?;
-        return Ok(dw
-            .f_view([cs[1], xs[1], ksz[0], ksz[1]])?
-            .f_transpose(0, 1)?);
+        if transposed {
+            let _ = a.f_mm_out(&out.f_view([o, ck])?, &b.f_tr()?)?;
+        } else {
+            let dw = a.f_mm(&b.f_tr()?)?;
+            out.f_copy_(&dw.f_view([o, xs[1], ksz[0], ksz[1]])?.f_transpose(0, 1)?)?;
+        }
+        return Ok(());
     }
     let mut grouped = vec![xs[0], g, xs[1] / g];
     grouped.extend_from_slice(&xs[2..]);
@@ -777,7 +932,13 @@ fn weight_gradient(c: &ConvAttrs, x: &Tensor, ct: &Tensor) -> Result<Tensor> {
     let mut p2 = vec![1i64, 0];
     p2.extend(2..n as i64 + 2);
     let rhs = ct.f_permute(&p2)?.f_contiguous()?;
-    conv_form(c, &lhs, &rhs, ConvForm::Plain)
+    let r = conv_form(c, &lhs, &rhs, ConvForm::Plain)?;
+    if transposed {
+        out.f_copy_(&r.f_permute(&p2)?)?;
+    } else {
+        out.f_copy_(&r)?;
+    }
+    Ok(())
 }
 
 /// A convolution with window stride 1 (and no batch groups) is a transposed convolution with

@@ -110,6 +110,45 @@ fn forward_weight_is_found_only_in_the_autograd_pattern() {
     assert_eq!(weight_gradient_operands_of(&g, wconv), Some((x, ct)));
     assert_eq!(weight_gradient_operands_of(&g, y), None);
     assert_eq!(weight_gradient_operands_of(&g, dx), None);
+    // Lowering: the transpose becomes the call, the convolution is absorbed unless something
+    // else reads it; nothing is a call when FFI is off.
+    let call_form = |l: Option<FfiLowering>| match l {
+        Some(FfiLowering::Call { operands, attrs }) => {
+            let f = attrs
+                .split("form = ")
+                .nth(1)
+                .unwrap()
+                .chars()
+                .next()
+                .unwrap();
+            Some((operands, f))
+        }
+        _ => None,
+    };
+    assert_eq!(
+        call_form(ffi_lowering(&g, dw, FfiMode::All)),
+        Some((vec![x, ct], '3'))
+    );
+    assert_eq!(
+        ffi_lowering(&g, wconv, FfiMode::All),
+        Some(FfiLowering::Absorbed)
+    );
+    assert_eq!(
+        call_form(ffi_lowering(&g, dx, FfiMode::All)),
+        Some((vec![ct, w], '1'))
+    );
+    assert_eq!(
+        call_form(ffi_lowering(&g, y, FfiMode::All)),
+        Some((vec![x, w], '0'))
+    );
+    g.set_outputs(vec![dw, wconv]).unwrap();
+    assert_eq!(
+        call_form(ffi_lowering(&g, wconv, FfiMode::All)),
+        Some((vec![x, ct], '2'))
+    );
+    for id in [y, dx, dw, wconv] {
+        assert_eq!(ffi_lowering(&g, id, FfiMode::Off), None);
+    }
     // A reversed input is not a forward weight; nor is the forward convolution's kernel.
     let r = g.add(Op::Reverse(vec![2, 3]), &[w]).unwrap();
     assert_eq!(forward_weight_of(&g, r, &dc), None);
@@ -211,5 +250,8 @@ fn weight_gradient_form_equals_plain_form() {
         let wg = conv_form(&c, &x, &ct, ConvForm::WeightGradient).unwrap();
         let d = max_diff(&plain, &wg);
         assert!(d < 1e-10, "case {i} {c:?}: differ by {d}");
+        let wt = conv_form(&c, &x, &ct, ConvForm::WeightGradientTransposed).unwrap();
+        let d = max_diff(&plain.transpose(0, 1), &wt);
+        assert!(d < 1e-10, "case {i} {c:?}: transposed form differs by {d}");
     }
 }

@@ -5,7 +5,7 @@
 //! inputs carry `tf.aliasing_output`, the attribute PJRT reads for input/output aliasing.
 
 use super::conv::{im2col_graph, ConvLowering, ConvStrategy};
-use super::kernels::{self, ConvForm, FfiMode};
+use super::kernels::{self, FfiLowering, FfiMode};
 use crate::error::{Error, Result};
 use crate::ir::{
     BinaryOp, CompareOp, ConvAttrs, DType, Graph, Literal, NodeId, Op, ReduceKind, TensorType,
@@ -218,63 +218,27 @@ impl<'g> Emitter<'g> {
         tensor_type(&self.g.node(id).ty)
     }
 
-    /// Emits node `id` (an `Op::Conv` or `Op::DotGeneral`) as a custom call to kiln's libtorch
-    /// kernel if the FFI mode picks it; returns whether it did.
-    fn ffi_call(
-        &mut self,
-        id: NodeId,
-        res: &str,
-        args: &[&str],
-        arg_tys: &[String],
-        out_ty: &str,
-    ) -> bool {
-        let n = self.g.node(id);
-        if n.operands.len() != 2 {
-            return false;
-        }
-        let (a, b) = (
-            &self.g.node(n.operands[0]).ty,
-            &self.g.node(n.operands[1]).ty,
-        );
-        let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        let mut arg_tys = arg_tys.to_vec();
-        let attrs = match &n.op {
-            Op::Conv(c) if self.ffi.conv(c, a, b) => {
-                // An input gradient reads the forward weight directly, without the reversed
-                // copy that the graph builds for it, and a weight gradient reads the forward
-                // input and cotangent (the copies, left unused, are dropped by XLA).
-                let wgrad = kernels::weight_gradient_operands_of(self.g, id)
-                    .filter(|_| kernels::weight_gradient_direct(c, a, b));
-                match (wgrad, kernels::forward_weight_of(self.g, n.operands[1], c)) {
-                    (Some((x, ct)), _) => {
-                        let (xt, ctt) = (&self.g.node(x).ty, &self.g.node(ct).ty);
-                        args = vec![self.name(x).to_string(), self.name(ct).to_string()];
-                        arg_tys = vec![tensor_type(xt), tensor_type(ctt)];
-                        kernels::conv_call_attrs_form(c, xt, ctt, &n.ty, ConvForm::WeightGradient)
-                    }
-                    (None, Some(w)) => {
-                        let wt = &self.g.node(w).ty;
-                        args[1] = self.name(w).to_string();
-                        arg_tys[1] = tensor_type(wt);
-                        kernels::conv_call_attrs_form(c, a, wt, &n.ty, ConvForm::ForwardWeight)
-                    }
-                    (None, None) => kernels::conv_call_attrs(c, a, b, &n.ty),
-                }
+    /// Emits node `id` as a custom call to one of kiln's libtorch kernels if the FFI mode
+    /// picks it (see [`kernels::ffi_lowering`]); returns whether it did.
+    fn ffi_call(&mut self, id: NodeId, res: &str, out_ty: &str) -> bool {
+        match kernels::ffi_lowering(self.g, id, self.ffi) {
+            None => false,
+            Some(FfiLowering::Absorbed) => {
+                // Every user reads this node's operands itself: nothing to emit. The name is
+                // never referenced (an MLIR parse error if it were).
+                self.names.insert(id, res.to_string());
+                true
             }
-            Op::DotGeneral(d) if self.ffi.dot(d, a, b) => kernels::dot_call_attrs(d, a, b, &n.ty),
-            _ => return false,
-        };
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        self.generic(
-            res,
-            "stablehlo.custom_call",
-            &args,
-            &arg_tys,
-            &attrs,
-            out_ty,
-        );
-        self.names.insert(id, res.to_string());
-        true
+            Some(FfiLowering::Call { operands, attrs }) => {
+                let args: Vec<String> =
+                    operands.iter().map(|&o| self.name(o).to_string()).collect();
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                let tys: Vec<String> = operands.iter().map(|&o| self.ty(o)).collect();
+                self.generic(res, "stablehlo.custom_call", &args, &tys, &attrs, out_ty);
+                self.names.insert(id, res.to_string());
+                true
+            }
+        }
     }
 
     /// `  %res = "op"(args) {attrs} : (arg types) -> result type`
@@ -633,6 +597,9 @@ impl<'g> Emitter<'g> {
                 self.generic(&res, "stablehlo.reshape", &arg_refs, &arg_tys, "", &out_ty)
             }
             Op::Transpose(perm) => {
+                if self.ffi_call(id, &res, &out_ty) {
+                    return Ok(());
+                }
                 let attrs = format!("permutation = {}", usize_array(perm));
                 self.generic(
                     &res,
@@ -699,7 +666,7 @@ impl<'g> Emitter<'g> {
                 )
             }
             Op::DotGeneral(d) => {
-                if self.ffi_call(id, &res, &arg_refs, &arg_tys, &out_ty) {
+                if self.ffi_call(id, &res, &out_ty) {
                     return Ok(());
                 }
                 let mut parts = Vec::new();
@@ -764,7 +731,7 @@ impl<'g> Emitter<'g> {
                 self.select_and_scatter(&res, attrs, &args[0], &xt, &args[1], &st);
             }
             Op::Conv(c) => {
-                if self.ffi_call(id, &res, &arg_refs, &arg_tys, &out_ty) {
+                if self.ffi_call(id, &res, &out_ty) {
                     return Ok(());
                 }
                 let xt = &self.g.node(n.operands[0]).ty;
