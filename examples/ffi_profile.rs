@@ -243,8 +243,8 @@ impl Item {
         let conv = g
             .topo_order()
             .into_iter()
-            .filter(|&n| matches!(g.node(n).op, Op::Conv(_)))
-            .last()
+            .rev()
+            .find(|&n| matches!(g.node(n).op, Op::Conv(_)))
             .ok_or_else(|| kiln::Error::Invalid("no convolution".into()))?;
         let n = g.node(conv);
         let (ct, kt) = (
