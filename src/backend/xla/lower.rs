@@ -10,6 +10,7 @@
 //! scatter-add). Graph-level rewrites (the im2col convolutions) are not done here but on the
 //! graph beforehand ([`crate::backend::Backend::rewrite`]).
 
+use super::kernels::{self, FfiLowering, FfiMode};
 use crate::error::{Error, Result};
 use crate::ir::{
     BinaryOp, CompareOp, ConvAttrs, DType, DotDims, Graph, Literal, Node, NodeId, Op, ReduceKind,
@@ -200,6 +201,9 @@ struct Emitter<'g> {
     out: String,
     /// The SSA name of each node written so far.
     names: HashMap<NodeId, String>,
+    /// Which convolutions and dots become libtorch custom calls (already `Off` when the
+    /// plugin cannot run them).
+    ffi: FfiMode,
 }
 
 impl<'g> Emitter<'g> {
@@ -209,6 +213,29 @@ impl<'g> Emitter<'g> {
 
     fn ty(&self, id: NodeId) -> String {
         tensor_type(&self.g.node(id).ty)
+    }
+
+    /// Emits node `id` as a custom call to one of kiln's libtorch kernels if the FFI mode
+    /// picks it (see [`kernels::ffi_lowering`]); returns whether it did.
+    fn ffi_call(&mut self, id: NodeId, res: &str, out_ty: &str) -> bool {
+        match kernels::ffi_lowering(self.g, id, self.ffi) {
+            None => false,
+            Some(FfiLowering::Absorbed) => {
+                // Every user reads this node's operands itself: nothing to emit. The name is
+                // never referenced (an MLIR parse error if it were).
+                self.names.insert(id, res.to_string());
+                true
+            }
+            Some(FfiLowering::Call { operands, attrs }) => {
+                let args: Vec<String> =
+                    operands.iter().map(|&o| self.name(o).to_string()).collect();
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                let tys: Vec<String> = operands.iter().map(|&o| self.ty(o)).collect();
+                self.generic(res, "stablehlo.custom_call", &args, &tys, &attrs, out_ty);
+                self.names.insert(id, res.to_string());
+                true
+            }
+        }
     }
 
     /// `  %res = "op"(args) {attrs} : (arg types) -> result type`
@@ -563,6 +590,9 @@ impl<'g> Emitter<'g> {
             .map(|&o| self.name(o).to_string())
             .collect();
         let arg_tys: Vec<String> = n.operands.iter().map(|&o| self.ty(o)).collect();
+        if self.ffi_call(id, &res, &out_ty) {
+            return;
+        }
         match lowering(self.g, n) {
             Lowering::Argument(i) => {
                 self.names.insert(id, format!("%arg{i}"));
@@ -799,10 +829,18 @@ fn conv_attrs(c: &ConvAttrs) -> String {
 /// [`Backend::rewrite`](crate::backend::Backend::rewrite)) happen before, on the graph;
 /// [`super::XlaBackend::lower`] applies its backend's rewrite and then this.
 pub fn lower(graph: &Graph) -> Result<String> {
+    lower_with_ffi(graph, FfiMode::Off)
+}
+
+/// Lowers `graph` like [`lower`], with `ffi` choosing which `Op::Conv`, `Op::DotGeneral` (and
+/// the transposes they absorb) become custom calls to kiln's libtorch kernels
+/// ([`super::kernels`]); the caller must have checked that the plugin runs them.
+pub fn lower_with_ffi(graph: &Graph, ffi: FfiMode) -> Result<String> {
     let mut e = Emitter {
         g: graph,
         out: String::new(),
         names: HashMap::new(),
+        ffi,
     };
     let alias_of: HashMap<usize, usize> = graph.aliases().iter().copied().collect();
     let mut params = Vec::new();

@@ -7,10 +7,12 @@
 //! GPU ones; nothing here assumes a CPU.
 
 pub mod conv;
+pub mod kernels;
 pub mod lower;
 pub mod pjrt;
 
 pub use conv::{ConvLowering, ConvRule, ConvStrategy};
+pub use kernels::FfiMode;
 pub use pjrt::OptionValue;
 
 use crate::backend::{Backend, HostTensor};
@@ -19,7 +21,7 @@ use crate::ir::{ConvAttrs, DType, Graph, Op, TensorType};
 use crate::passes::{Im2col, Pass};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// The plugin path kiln uses when none is given explicitly.
 ///
@@ -128,8 +130,11 @@ pub struct XlaOptions {
     /// `CompileOptionsProto.env_option_overrides`. A name the plugin's XLA does not know makes
     /// every compile fail with the plugin's message. Later entries win.
     pub debug_options: Vec<(String, OptionValue)>,
-    /// Which lowering each convolution gets.
+    /// Which lowering each convolution gets (when `ffi` does not hand it to libtorch).
     pub conv: ConvStrategy,
+    /// Which convolutions and dots run as libtorch kernels inside the executable
+    /// ([`kernels`]); ignored (pure XLA) when the plugin cannot run them.
+    pub ffi: FfiMode,
 }
 
 impl Default for XlaOptions {
@@ -146,17 +151,26 @@ impl Default for XlaOptions {
         XlaOptions {
             debug_options: Vec::new(),
             conv: ConvStrategy::Auto,
+            ffi: FfiMode::Off,
         }
     }
 }
 
 impl XlaOptions {
-    /// The plugin's own behaviour: no overrides, every convolution direct.
+    /// The plugin's own behaviour: no overrides, every convolution direct, no libtorch
+    /// kernels.
     pub fn plain() -> Self {
         XlaOptions {
             debug_options: Vec::new(),
             conv: ConvStrategy::Direct,
+            ffi: FfiMode::Off,
         }
+    }
+
+    /// Sets which convolutions and dots run as libtorch kernels ([`FfiMode`]).
+    pub fn ffi(mut self, mode: FfiMode) -> Self {
+        self.ffi = mode;
+        self
     }
 
     /// Adds (or replaces) one debug option override.
@@ -193,6 +207,10 @@ struct Inner {
     client: pjrt::Client,
     /// Process-unique: executables compiled by one client cannot run another's buffers.
     id: u64,
+    api: pjrt::Api,
+    /// Whether kiln's FFI kernels run on this plugin: registered and checked by compiling and
+    /// running a self-test graph, once (`Err` holds the reason they do not).
+    ffi: OnceLock<std::result::Result<(), String>>,
     plugin: PathBuf,
     platform: String,
     platform_version: String,
@@ -212,14 +230,17 @@ impl XlaBackend {
         let client = pjrt::Client::new(&api)?;
         let platform = client.platform_name()?;
         let platform_version = client.platform_version()?;
+        let api_version = api.version();
         Ok(XlaBackend {
             inner: Arc::new(Inner {
                 client,
                 id: NEXT_CLIENT_ID.fetch_add(1, Ordering::Relaxed),
+                api,
+                ffi: OnceLock::new(),
                 plugin: path.to_path_buf(),
                 platform,
                 platform_version,
-                api_version: api.version(),
+                api_version,
             }),
             options: Arc::new(XlaOptions::default()),
             option_bytes: Arc::new(XlaOptions::default().compile_options_bytes()),
@@ -245,13 +266,16 @@ impl XlaBackend {
     /// The graph may be rewritten ([`Backend::rewrite`], as kiln's runtime does before
     /// fingerprinting) or not: a convolution this backend's [`ConvStrategy`] sends to im2col
     /// is rewritten here on a copy first. The rewrite is idempotent, so both give the same text.
+    /// Convolutions and dots become calls to kiln's libtorch kernels where the options' FFI
+    /// mode picks them and the plugin runs them ([`XlaBackend::effective_ffi`]).
     pub fn lower(&self, graph: &Graph) -> Result<String> {
+        let ffi = self.effective_ffi();
         if self.needs_rewrite(graph) {
             let mut g = graph.clone();
             self.rewrite(&mut g)?;
-            lower::lower(&g)
+            lower::lower_with_ffi(&g, ffi)
         } else {
-            lower::lower(graph)
+            lower::lower_with_ffi(graph, ffi)
         }
     }
 
@@ -271,6 +295,41 @@ impl XlaBackend {
     /// The [`Im2col`] pass's selection: the convolutions the strategy lowers as im2col.
     fn im2col_picks(&self) -> impl Fn(&ConvAttrs, &TensorType, &TensorType) -> bool + '_ {
         |c, x, w| self.options.conv.choose(c, x, w) == ConvLowering::Im2col
+    }
+
+    /// The FFI mode lowering uses: the options' mode if the plugin runs kiln's kernels, else
+    /// [`FfiMode::Off`] (the reason is logged once, at `warn` level).
+    pub fn effective_ffi(&self) -> FfiMode {
+        if self.options.ffi == FfiMode::Off {
+            return FfiMode::Off;
+        }
+        match self.ffi_status() {
+            Ok(()) => self.options.ffi,
+            Err(_) => FfiMode::Off,
+        }
+    }
+
+    /// Whether kiln's libtorch kernels run inside this plugin's executables, and if not why.
+    ///
+    /// The first call registers the kernels with the plugin's PJRT FFI extension and compiles
+    /// and runs a self-test graph (a convolution and a dot through the kernels, checked
+    /// against libtorch); the outcome is kept for the backend's lifetime. Needs a CPU plugin
+    /// (the kernels read and write host memory) with the FFI extension.
+    pub fn ffi_status(&self) -> std::result::Result<(), String> {
+        self.inner
+            .ffi
+            .get_or_init(|| {
+                let r = kernels::enable(self);
+                if let Err(why) = &r {
+                    log::warn!(
+                        "kiln: libtorch kernels disabled for PJRT plugin {}: {why}; convolutions \
+                         and dots are lowered to XLA",
+                        self.inner.plugin.display()
+                    );
+                }
+                r
+            })
+            .clone()
     }
 
     /// The platform name reported by the plugin (`"cpu"`, `"cuda"`, ...).
@@ -312,6 +371,8 @@ impl XlaBackend {
     /// Loads an executable serialized by [`XlaBackend::serialize`] for a graph with the same
     /// signature as `graph`.
     pub fn deserialize(&self, graph: &Graph, bytes: &[u8]) -> Result<XlaExecutable> {
+        // Executables compiled with libtorch kernels need them registered before loading.
+        self.effective_ffi();
         let exe = self.inner.client.deserialize_executable(bytes)?;
         let n = exe.num_outputs()?;
         if n != graph.outputs().len() {
@@ -421,13 +482,14 @@ impl Backend for XlaBackend {
 
     fn cache_key(&self) -> String {
         format!(
-            "xla/{}/{}/pjrt{}.{}/opts{:02x?}/conv-{}",
+            "xla/{}/{}/pjrt{}.{}/opts{:02x?}/conv-{}/ffi-{}",
             self.inner.platform,
             self.inner.platform_version,
             self.inner.api_version.0,
             self.inner.api_version.1,
             self.option_bytes,
-            self.options.conv.key()
+            self.options.conv.key(),
+            self.effective_ffi().key()
         )
     }
 

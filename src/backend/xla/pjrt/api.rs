@@ -30,6 +30,9 @@ pub(crate) struct ApiInner {
     table_addr: usize,
     /// The function pointers kiln calls, each checked to be present and non-null at load.
     pub(crate) fns: Fns,
+    /// The kiln FFI kernels registered with this plugin (by custom call target) and the
+    /// outcome of each registration (see `ffi.rs`).
+    pub(crate) ffi_registered: Mutex<Vec<(&'static str, std::result::Result<(), String>)>>,
     /// Keeps the shared object mapped (never dropped in practice: see [`Api`]).
     _library: libloading::Library,
 }
@@ -218,6 +221,7 @@ impl Api {
             version: (major, minor),
             table_addr: table as usize,
             fns,
+            ffi_registered: Mutex::new(Vec::new()),
             _library: library,
         };
         let mut args = sys::PJRT_Plugin_Initialize_Args::new();
@@ -325,6 +329,11 @@ fn open_library(path: &Path) -> std::result::Result<libloading::Library, libload
 }
 
 impl ApiInner {
+    /// The plugin's `PJRT_Api` table (static in the plugin, which is never unloaded).
+    pub(crate) fn table(&self) -> *const sys::PJRT_Api {
+        self.table_addr as *const sys::PJRT_Api
+    }
+
     /// Turns the `PJRT_Error*` returned by `call` into a `Result`, destroying the error.
     #[inline]
     pub(crate) fn check(&self, call: &'static str, err: *mut sys::PJRT_Error) -> Result<()> {

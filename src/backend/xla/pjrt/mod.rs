@@ -51,6 +51,8 @@ mod api;
 mod buffer;
 mod client;
 mod executable;
+pub(crate) mod ffi;
+mod ffi_sys;
 mod sys;
 
 #[cfg(test)]

@@ -1,0 +1,257 @@
+//! Tests of the libtorch FFI kernels against XLA's own lowering and a float64 libtorch
+//! reference.
+
+use super::*;
+use crate::backend::xla::{XlaBackend, XlaOptions};
+use std::sync::OnceLock;
+use tch::Tensor;
+
+fn backend() -> &'static XlaBackend {
+    static B: OnceLock<XlaBackend> = OnceLock::new();
+    B.get_or_init(|| XlaBackend::new().expect("XLA backend"))
+}
+
+#[test]
+fn self_test_passes_on_the_cpu_plugin() {
+    let b = backend();
+    assert_eq!(b.ffi_status(), Ok(()));
+    assert_eq!(
+        b.with_options(XlaOptions::default().ffi(FfiMode::All))
+            .effective_ffi(),
+        FfiMode::All
+    );
+}
+
+fn seeded(dims: &[i64], seed: i64) -> Tensor {
+    let n: i64 = dims.iter().product();
+    Tensor::arange(n, (tch::Kind::Double, tch::Device::Cpu))
+        .f_mul_scalar(0.618_033_988_75 * (seed as f64 + 1.0))
+        .unwrap()
+        .sin()
+        .reshape(dims)
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    a.f_sub(b).unwrap().abs().max().double_value(&[])
+}
+
+/// The forward-weight form equals the plain form on the materialized kernel, on the
+/// transposed-convolution route and on the fallback that materializes it.
+#[test]
+fn forward_weight_form_equals_plain_form() {
+    let mut cases = Vec::new();
+    for (ld, st, pad, g) in [
+        (2, 1, (1, 2), 1), // stride-2 input gradient, output padding 1
+        (2, 1, (1, 1), 2), // grouped, output padding 0
+        (1, 1, (1, 1), 4), // stride-1 input gradient (no dilation), depthwise-like
+        (2, 2, (1, 1), 1), // window stride 2: fallback
+        (2, 1, (3, 0), 1), // padding beyond the kernel: fallback
+        (3, 1, (2, 0), 2), // high < low: narrowed
+    ] {
+        let mut c = ConvAttrs::plain(2);
+        c.lhs_dilation = vec![ld, ld];
+        c.strides = vec![st, 1];
+        c.padding = vec![pad, pad];
+        c.feature_groups = g;
+        cases.push(c);
+    }
+    for (i, c) in cases.iter().enumerate() {
+        let g = c.feature_groups as i64;
+        // x has C = 4 channels; the forward weight is [C, O/g, 3, 3] with O = 8 (dims of a
+        // forward conv from O channels to C).
+        let x = seeded(&[2, 4, 5, 4], i as i64);
+        let w = seeded(&[4, 8 / g, 3, 3], 10 + i as i64);
+        let k = transposed_weight(&w, g).unwrap();
+        assert_eq!(k.size(), vec![8, 4 / g, 3, 3]);
+        assert_eq!(
+            effective_kernel_dims(&w.size(), ConvForm::ForwardWeight, g).unwrap(),
+            k.size()
+        );
+        let plain = conv(c, &x, &k).unwrap();
+        let fw = conv_form(c, &x, &w, ConvForm::ForwardWeight).unwrap();
+        let d = max_diff(&plain, &fw);
+        assert!(d < 1e-12, "case {i} {c:?}: differ by {d}");
+        // The plain form against libtorch's own convolution of the explicitly padded input.
+        if c.lhs_dilation == [1, 1] && c.strides == [1, 1] {
+            let p = c.padding[0].0;
+            let want = x
+                .f_conv2d(&k, None::<Tensor>, [1i64, 1], [p, p], [1i64, 1], g)
+                .unwrap();
+            assert!(max_diff(&plain, &want) < 1e-12);
+        }
+    }
+}
+
+#[test]
+fn forward_weight_is_found_only_in_the_autograd_pattern() {
+    use crate::ir::{Graph, InputKind};
+    let mut c = ConvAttrs::plain(2);
+    c.padding = vec![(1, 1), (1, 1)];
+    let xt = TensorType::new(DType::F32, [2, 3, 6, 6]);
+    let wt = TensorType::new(DType::F32, [5, 3, 3, 3]);
+    let mut g = Graph::new();
+    let x = g.add_input(InputKind::Data, "x", xt);
+    let w = g.add_input(InputKind::Parameter, "w", wt.clone());
+    let y = g.add(Op::Conv(c.clone()), &[x, w]).unwrap();
+    let ct = g.add_input(InputKind::Cotangent, "ct", g.node(y).ty.clone());
+    let grads = crate::autograd::vjp(&mut g, y, ct, &[true, false]).unwrap();
+    let dx = grads[0].unwrap();
+    let (dc, kernel) = match &g.node(dx).op {
+        Op::Conv(dc) => (dc.clone(), g.node(dx).operands[1]),
+        op => panic!("input gradient is {op:?}"),
+    };
+    assert_eq!(forward_weight_of(&g, kernel, &dc), Some(w));
+    // The weight gradient: transpose(conv(regrouped x, transposed ct)).
+    let grads = crate::autograd::vjp(&mut g, y, ct, &[false, true]).unwrap();
+    let dw = grads[1].unwrap();
+    let wconv = g.node(dw).operands[0];
+    assert!(matches!(g.node(wconv).op, Op::Conv(_)));
+    assert_eq!(weight_gradient_operands_of(&g, wconv), Some((x, ct)));
+    assert_eq!(weight_gradient_operands_of(&g, y), None);
+    assert_eq!(weight_gradient_operands_of(&g, dx), None);
+    // Lowering: the transpose becomes the call, the convolution is absorbed unless something
+    // else reads it; nothing is a call when FFI is off.
+    let call_form = |l: Option<FfiLowering>| match l {
+        Some(FfiLowering::Call { operands, attrs }) => {
+            let f = attrs
+                .split("form = ")
+                .nth(1)
+                .unwrap()
+                .chars()
+                .next()
+                .unwrap();
+            Some((operands, f))
+        }
+        _ => None,
+    };
+    assert_eq!(
+        call_form(ffi_lowering(&g, dw, FfiMode::All)),
+        Some((vec![x, ct], '3'))
+    );
+    assert_eq!(
+        ffi_lowering(&g, wconv, FfiMode::All),
+        Some(FfiLowering::Absorbed)
+    );
+    assert_eq!(
+        call_form(ffi_lowering(&g, dx, FfiMode::All)),
+        Some((vec![ct, w], '1'))
+    );
+    assert_eq!(
+        call_form(ffi_lowering(&g, y, FfiMode::All)),
+        Some((vec![x, w], '0'))
+    );
+    g.set_outputs(vec![dw, wconv]).unwrap();
+    assert_eq!(
+        call_form(ffi_lowering(&g, wconv, FfiMode::All)),
+        Some((vec![x, ct], '2'))
+    );
+    for id in [y, dx, dw, wconv] {
+        assert_eq!(ffi_lowering(&g, id, FfiMode::Off), None);
+    }
+    // A reversed input is not a forward weight; nor is the forward convolution's kernel.
+    let r = g.add(Op::Reverse(vec![2, 3]), &[w]).unwrap();
+    assert_eq!(forward_weight_of(&g, r, &dc), None);
+    assert_eq!(forward_weight_of(&g, w, &c), None);
+}
+
+#[test]
+fn malformed_attributes_and_shapes_are_errors() {
+    assert!(dot_dims_of(&[1]).is_err());
+    assert!(dot_dims_of(&[1, 1, 0, 0, 1]).is_err());
+    assert!(dot_dims_of(&[0, 1, -1, 0]).is_err());
+    let d = dot_dims_of(&[1, 1, 0, 2, 2, 1]).unwrap();
+    assert_eq!(
+        (d.lhs_batch, d.rhs_batch, d.lhs_contract, d.rhs_contract),
+        (vec![0], vec![2], vec![2], vec![1])
+    );
+    let lin = DotDims {
+        lhs_batch: vec![],
+        rhs_batch: vec![],
+        lhs_contract: vec![1],
+        rhs_contract: vec![1],
+    };
+    assert_eq!(
+        DotPlan::new(&lin, &[4, 8], &[3, 8]).unwrap().out_dims,
+        vec![4, 3]
+    );
+    let e = DotPlan::new(&lin, &[4, 8], &[3, 7])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("[4, 8]") && e.contains("[3, 7]"), "{e}");
+    assert!(DotPlan::new(&lin, &[4, 8], &[8]).is_err());
+    let c = ConvAttrs::plain(2);
+    let e = conv_out_dims(&c, &[1, 4, 5, 5], &[2, 3, 3, 3])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("channels"), "{e}");
+    assert!(conv_out_dims(&c, &[1, 4, 5], &[2, 4, 3, 3]).is_err());
+    assert_eq!(
+        conv_out_dims(&c, &[1, 4, 5, 5], &[2, 4, 3, 3]).unwrap(),
+        vec![1, 2, 3, 3]
+    );
+}
+
+/// The weight-gradient form (input and cotangent as they are) equals the plain convolution of
+/// the regrouped input by the transposed cotangent, on libtorch's weight-gradient route and
+/// on the fallback; the route is taken exactly when `weight_gradient_direct` says so.
+#[test]
+fn weight_gradient_form_equals_plain_form() {
+    // (input [N, C, H, W], kernel k, forward stride, forward padding (lo, hi), groups)
+    let cases = [
+        ([2i64, 4, 8, 8], 3i64, 1usize, (1i64, 1i64), 1usize, true),
+        ([2, 4, 8, 7], 3, 2, (1, 1), 1, true),
+        ([2, 4, 7, 7], 1, 2, (0, 0), 1, true),
+        ([1, 3, 13, 13], 7, 2, (3, 3), 1, true),
+        ([2, 4, 8, 8], 3, 1, (1, 1), 2, false), // grouped: fallback
+        ([2, 4, 8, 8], 3, 1, (0, 2), 1, false), // asymmetric forward padding: fallback
+    ];
+    for (i, (xs, k, s, (lo, hi), g, direct)) in cases.into_iter().enumerate() {
+        let sp: Vec<i64> = (0..2)
+            .map(|d| (xs[d + 2] + lo + hi - k) / s as i64 + 1)
+            .collect();
+        let o = 6i64;
+        let x = seeded(&xs, i as i64);
+        let ct = seeded(&[xs[0], o, sp[0], sp[1]], 20 + i as i64);
+        // The weight-gradient convolution kiln's autograd builds (conv_vjp).
+        let mut c = ConvAttrs::plain(2);
+        c.strides = vec![1, 1];
+        c.rhs_dilation = vec![s, s];
+        c.feature_groups = g;
+        c.padding = (0..2)
+            .map(|d| {
+                let (xd, kd, od) = (xs[d + 2], k, (sp[d] - 1) * s as i64 + 1);
+                (lo, od - xd + kd - lo - 1)
+            })
+            .collect();
+        let gi = g as i64;
+        let lhs = x
+            .reshape([xs[0], gi, xs[1] / gi, xs[2], xs[3]])
+            .permute([2, 1, 0, 3, 4])
+            .reshape([xs[1] / gi, gi * xs[0], xs[2], xs[3]]);
+        let rhs = ct.permute([1, 0, 2, 3]).contiguous();
+        let lt = TensorType::new(
+            DType::F64,
+            lhs.size().iter().map(|&d| d as usize).collect::<Vec<_>>(),
+        );
+        let rt = TensorType::new(
+            DType::F64,
+            rhs.size().iter().map(|&d| d as usize).collect::<Vec<_>>(),
+        );
+        assert_eq!(
+            weight_gradient_direct(&c, &lt, &rt),
+            direct,
+            "case {i} {c:?}"
+        );
+        let plain = conv(&c, &lhs, &rhs).unwrap();
+        assert_eq!(plain.size(), vec![xs[1] / gi, o, k, k]);
+        let wg = conv_form(&c, &x, &ct, ConvForm::WeightGradient).unwrap();
+        let d = max_diff(&plain, &wg);
+        assert!(d < 1e-10, "case {i} {c:?}: differ by {d}");
+        let wt = conv_form(&c, &x, &ct, ConvForm::WeightGradientTransposed).unwrap();
+        let d = max_diff(&plain.transpose(0, 1), &wt);
+        assert!(d < 1e-10, "case {i} {c:?}: transposed form differs by {d}");
+    }
+}

@@ -1,0 +1,454 @@
+//! The PJRT FFI extension: kiln's own kernels (XLA FFI handlers) inside XLA executables.
+//!
+//! A plugin that exports the FFI extension lets a process register *handlers*: C functions
+//! that XLA calls for `stablehlo.custom_call @name(...) {api_version = 4 : i32, ...}` ops.
+//! kiln registers its handlers (see [`FfiKernel`]) under the platform `"Host"`; XLA then calls
+//! them from its own worker threads with the call's operand and result buffers (dense,
+//! row-major, result buffers already allocated) and the custom call's `backend_config`
+//! attributes.
+//!
+//! The recipe (verified on PJRT C API 0.81 / XLA FFI API 0.2 and newer plugins):
+//! 1. find the extension of type `PJRT_Extension_Type_FFI` in `PJRT_Api.extension_start`;
+//! 2. call its `register_handler` with the current args layout (no `api_version` field);
+//! 3. during registration XLA calls the handler once with an `XLA_FFI_Metadata_Extension`:
+//!    the handler answers the XLA FFI API version it was written against (major 0, minor at
+//!    most the runtime's) and returns. A higher minor than the runtime's makes registration
+//!    *look* successful while nothing is registered; compiles then fail with "No FFI handler
+//!    registered" — which is why [`super::super::XlaBackend`] compiles a self-test graph once.
+//!
+//! Registration is process-wide and permanent: the handler must stay callable until the
+//! process exits (it is a `'static` function) and the plugin is never unloaded (see
+//! [`Api`]). Each kernel is registered at most once per plugin.
+
+#![allow(non_upper_case_globals)]
+
+use std::ffi::{c_void, CString};
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+
+use super::api::Api;
+use super::ffi_sys::*;
+use super::sys::PJRT_Extension_Base;
+use crate::error::{Error, Result};
+use crate::ir::DType;
+
+/// The XLA FFI API minor version kiln's handlers are written against (the header's
+/// `XLA_FFI_API_MINOR`). A handler answers `min(this, runtime's minor)` at registration.
+const FFI_MINOR: i32 = 1;
+
+/// A kernel that XLA can call through a custom call named [`FfiKernel::TARGET`].
+///
+/// [`FfiKernel::run`] receives the call's buffers and attributes as a [`Call`]; it must
+/// write every result buffer and must not keep any view of a buffer past its return. XLA may
+/// call it from several threads at once.
+pub(crate) trait FfiKernel: 'static {
+    /// The custom call target name (`stablehlo.custom_call @TARGET`).
+    const TARGET: &'static str;
+    /// Runs one call.
+    fn run(call: &Call<'_>) -> Result<()>;
+}
+
+/// The PJRT FFI extension of a plugin, if it has one.
+fn ffi_extension(api: &Api) -> Option<&'static PJRT_FFI_Extension> {
+    let table = api.inner().table();
+    // SAFETY: `table` is the plugin's static `PJRT_Api`, whose first two fields
+    // (`struct_size`, `extension_start`) exist in every version of the C API; the plugin stays
+    // loaded for the process, so its extension structs are `'static`.
+    let mut ext: *const PJRT_Extension_Base =
+        unsafe { ptr::addr_of!((*table).extension_start).read() };
+    while !ext.is_null() {
+        // SAFETY: `ext` is a non-null node of the plugin's extension list, each of which
+        // begins with a `PJRT_Extension_Base`.
+        let base = unsafe { &*ext };
+        if base.type_ == PJRT_Extension_Type_FFI {
+            if base.struct_size < std::mem::size_of::<PJRT_FFI_Extension>() {
+                return None;
+            }
+            // SAFETY: an extension of type FFI is a `PJRT_FFI_Extension`, and its
+            // `struct_size` says it holds at least the fields declared here.
+            return Some(unsafe { &*ext.cast::<PJRT_FFI_Extension>() });
+        }
+        ext = base.next;
+    }
+    None
+}
+
+impl Api {
+    /// Does the plugin export the PJRT FFI extension with a `register_handler` function?
+    pub fn has_ffi_extension(&self) -> bool {
+        ffi_extension(self).is_some_and(|e| e.register_handler.is_some())
+    }
+
+    /// Registers `K`'s handler with the plugin for the platform `"Host"` (CPU plugins), once
+    /// per plugin and kernel; later calls return the first call's result.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] if the plugin has no FFI extension; [`Error::Pjrt`] if
+    /// registration fails.
+    pub(crate) fn register_ffi_kernel<K: FfiKernel>(&self) -> Result<()> {
+        let mut done = self.inner().ffi_registered.lock();
+        if let Some((_, r)) = done.iter().find(|(n, _)| *n == K::TARGET) {
+            return r.clone().map_err(|m| Error::Unsupported {
+                backend: "xla".into(),
+                what: m,
+            });
+        }
+        let r = self.register_handler(K::TARGET, handler::<K>);
+        done.push((K::TARGET, r.as_ref().map(|_| ()).map_err(|e| e.to_string())));
+        r
+    }
+
+    fn register_handler(&self, target: &'static str, handler: XLA_FFI_Handler) -> Result<()> {
+        let ext = ffi_extension(self).ok_or_else(|| Error::Unsupported {
+            backend: "xla".into(),
+            what: format!(
+                "PJRT plugin {} has no FFI extension (cannot register custom call {target})",
+                self.path().display()
+            ),
+        })?;
+        let register = ext.register_handler.ok_or_else(|| Error::Unsupported {
+            backend: "xla".into(),
+            what: "the plugin's FFI extension has no register_handler".into(),
+        })?;
+        const PLATFORM: &str = "Host";
+        let mut args = PJRT_FFI_Register_Handler_Args {
+            struct_size: PJRT_FFI_Register_Handler_Args_STRUCT_SIZE,
+            target_name: target.as_ptr().cast(),
+            target_name_size: target.len(),
+            handler: handler as *mut c_void,
+            platform_name: PLATFORM.as_ptr().cast(),
+            platform_name_size: PLATFORM.len(),
+            traits: 0,
+        };
+        // SAFETY: `args` is fully initialized in the layout the plugin expects (checked in
+        // `ffi_sys`); the names are `'static` strings passed with their lengths (XLA copies
+        // them); `handler` is a `'static` `extern "C"` function with the `XLA_FFI_Handler`
+        // signature that answers the registration probe.
+        let err = unsafe { register(&mut args) };
+        self.inner().check("PJRT_FFI_Register_Handler", err)
+    }
+}
+
+/// The `extern "C"` entry point XLA calls for kernel `K`.
+///
+/// Answers the registration probe, ignores every stage but EXECUTE, and turns an `Err` (or a
+/// panic) of [`FfiKernel::run`] into an `XLA_FFI_Error` carrying the message, which XLA
+/// returns from the execution as a PJRT error.
+unsafe extern "C" fn handler<K: FfiKernel>(frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    if frame.is_null() {
+        return ptr::null_mut();
+    }
+    // SAFETY: XLA passes a valid call frame that lives for the duration of this call.
+    let f = unsafe { &*frame };
+    // Registration probe: report the API version and no traits.
+    let mut ext = f.extension_start;
+    while !ext.is_null() {
+        // SAFETY: `ext` is a non-null node of the frame's extension list.
+        let base = unsafe { &*ext };
+        if base.type_ == XLA_FFI_Extension_Metadata {
+            // SAFETY: an extension of type Metadata is an `XLA_FFI_Metadata_Extension`.
+            let md = unsafe { (*ext.cast::<XLA_FFI_Metadata_Extension>()).metadata };
+            if !md.is_null() {
+                let runtime_minor = runtime_minor(f);
+                // SAFETY: `md` points to XLA's metadata struct, valid for this call; only
+                // its version and traits are written.
+                unsafe {
+                    (*md).api_version.major_version = 0;
+                    (*md).api_version.minor_version = FFI_MINOR.min(runtime_minor);
+                    (*md).traits = 0;
+                }
+            }
+            return ptr::null_mut();
+        }
+        ext = base.next;
+    }
+    if f.struct_size < XLA_FFI_CallFrame_STRUCT_SIZE {
+        return error(f, "kiln: XLA FFI call frame too small".into());
+    }
+    if f.stage != XLA_FFI_ExecutionStage_EXECUTE {
+        return ptr::null_mut();
+    }
+    let call = Call {
+        frame: f,
+        _p: PhantomData,
+    };
+    match catch_unwind(AssertUnwindSafe(|| K::run(&call))) {
+        Ok(Ok(())) => ptr::null_mut(),
+        Ok(Err(e)) => error(f, format!("kiln custom call {}: {e}", K::TARGET)),
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("panic");
+            error(f, format!("kiln custom call {} panicked: {msg}", K::TARGET))
+        }
+    }
+}
+
+/// The runtime's XLA FFI minor version (0 if the frame has no API table).
+fn runtime_minor(f: &XLA_FFI_CallFrame) -> i32 {
+    if f.api.is_null() {
+        return 0;
+    }
+    // SAFETY: `f.api` is XLA's static API table; its `struct_size` and `api_version` head
+    // exist in every version.
+    unsafe { (*f.api).api_version.minor_version }
+}
+
+/// Creates an `XLA_FFI_Error` with `message` (null if the runtime offers no way to).
+fn error(f: &XLA_FFI_CallFrame, message: String) -> *mut XLA_FFI_Error {
+    if f.api.is_null() {
+        return ptr::null_mut();
+    }
+    // SAFETY: as in `runtime_minor`; `XLA_FFI_Error_Create` is read only if the table is long
+    // enough to hold it.
+    let create = unsafe {
+        let api = &*f.api;
+        if api.struct_size < std::mem::offset_of!(XLA_FFI_Api, XLA_FFI_Error_Create) + 8 {
+            return ptr::null_mut();
+        }
+        api.XLA_FFI_Error_Create
+    };
+    let Some(create) = create else {
+        return ptr::null_mut();
+    };
+    let message = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    let mut args = XLA_FFI_Error_Create_Args {
+        struct_size: XLA_FFI_Error_Create_Args_STRUCT_SIZE,
+        extension_start: ptr::null_mut(),
+        message: message.as_ptr(),
+        errc: XLA_FFI_Error_Code_INTERNAL,
+    };
+    // SAFETY: `args` is initialized; XLA copies the message into the error it returns, whose
+    // ownership passes to XLA when the handler returns it.
+    unsafe { create(&mut args) }
+}
+
+/// One call of a kernel: its operand and result buffers and its attributes.
+pub(crate) struct Call<'a> {
+    frame: &'a XLA_FFI_CallFrame,
+    _p: PhantomData<&'a ()>,
+}
+
+/// An attribute value of a custom call's `backend_config`.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Attr<'a> {
+    /// An integer scalar (`7 : i64`, `7 : i32`).
+    Int(i64),
+    /// A dense `i64` array (`array<i64: 1, 2>`).
+    Ints(&'a [i64]),
+    /// A string.
+    Str(&'a str),
+    /// Any other kind (kiln's kernels do not use it).
+    Other,
+}
+
+/// One operand or result buffer of a [`Call`].
+pub(crate) struct BufferRef<'a> {
+    /// Element type (f32 or f64; other types are rejected when the buffer is read).
+    pub dtype: DType,
+    /// Dimensions, row-major.
+    pub dims: &'a [i64],
+    data: *mut c_void,
+}
+
+impl Call<'_> {
+    /// Number of operand buffers.
+    pub fn num_args(&self) -> usize {
+        self.frame.args.size.max(0) as usize
+    }
+
+    /// Number of result buffers.
+    pub fn num_rets(&self) -> usize {
+        self.frame.rets.size.max(0) as usize
+    }
+
+    /// Operand `i`.
+    pub fn arg(&self, i: usize) -> Result<BufferRef<'_>> {
+        let a = &self.frame.args;
+        if i >= self.num_args() {
+            return Err(Error::Invalid(format!(
+                "operand {i} requested, the call has {}",
+                self.num_args()
+            )));
+        }
+        // SAFETY: `i < size`; `types` and `args` hold `size` entries (XLA FFI contract).
+        let (ty, p) = unsafe { (*a.types.add(i), *a.args.add(i)) };
+        if ty != XLA_FFI_ArgType_BUFFER {
+            return Err(Error::Invalid(format!("operand {i} is not a buffer")));
+        }
+        // SAFETY: an argument of type BUFFER is an `XLA_FFI_Buffer` valid for this call.
+        unsafe { buffer_ref(p.cast(), "operand", i) }
+    }
+
+    /// Result `i`.
+    pub fn ret(&self, i: usize) -> Result<BufferRef<'_>> {
+        let r = &self.frame.rets;
+        if i >= self.num_rets() {
+            return Err(Error::Invalid(format!(
+                "result {i} requested, the call has {}",
+                self.num_rets()
+            )));
+        }
+        // SAFETY: `i < size`; `types` and `rets` hold `size` entries.
+        let (ty, p) = unsafe { (*r.types.add(i), *r.rets.add(i)) };
+        if ty != XLA_FFI_RetType_BUFFER {
+            return Err(Error::Invalid(format!("result {i} is not a buffer")));
+        }
+        // SAFETY: a result of type BUFFER is an `XLA_FFI_Buffer` valid for this call.
+        unsafe { buffer_ref(p.cast(), "result", i) }
+    }
+
+    /// The attribute `name`, if the call has it.
+    pub fn attr(&self, name: &str) -> Option<Attr<'_>> {
+        let a = &self.frame.attrs;
+        for i in 0..a.size.max(0) as usize {
+            // SAFETY: `i < size`; `names`, `types` and `attrs` hold `size` entries, each name a
+            // byte span valid for this call.
+            let (n, ty, p) = unsafe { (&**a.names.add(i), *a.types.add(i), *a.attrs.add(i)) };
+            // SAFETY: the span's `len` bytes at `ptr` are readable (XLA FFI contract).
+            let bytes = unsafe { std::slice::from_raw_parts(n.ptr.cast::<u8>(), n.len) };
+            if bytes != name.as_bytes() {
+                continue;
+            }
+            // SAFETY: an attribute of type `ty` points to the matching XLA FFI struct, whose
+            // data lives for the call.
+            return Some(unsafe { attr_value(ty, p) });
+        }
+        None
+    }
+
+    /// The integer attribute `name`.
+    pub fn attr_int(&self, name: &str) -> Result<i64> {
+        match self.attr(name) {
+            Some(Attr::Int(v)) => Ok(v),
+            other => Err(Error::Invalid(format!(
+                "attribute {name}: expected an integer, got {other:?}"
+            ))),
+        }
+    }
+
+    /// The `i64` array attribute `name`.
+    pub fn attr_ints(&self, name: &str) -> Result<&[i64]> {
+        match self.attr(name) {
+            Some(Attr::Ints(v)) => Ok(v),
+            other => Err(Error::Invalid(format!(
+                "attribute {name}: expected array<i64>, got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// Decodes one attribute.
+///
+/// # Safety
+/// `p` must point to the XLA FFI struct of attribute type `ty` (`XLA_FFI_Scalar`,
+/// `XLA_FFI_Array`, `XLA_FFI_ByteSpan`, ...), valid with its data for `'a`.
+unsafe fn attr_value<'a>(ty: u32, p: *mut c_void) -> Attr<'a> {
+    match ty {
+        XLA_FFI_AttrType_SCALAR => {
+            // SAFETY: a SCALAR attribute is an `XLA_FFI_Scalar` (caller's guarantee).
+            let s = unsafe { &*p.cast::<XLA_FFI_Scalar>() };
+            match s.dtype {
+                // SAFETY: an S64 scalar's `value` points to an `i64`.
+                XLA_FFI_DataType_S64 => Attr::Int(unsafe { *s.value.cast::<i64>() }),
+                // SAFETY: an S32 scalar's `value` points to an `i32`.
+                XLA_FFI_DataType_S32 => Attr::Int(i64::from(unsafe { *s.value.cast::<i32>() })),
+                _ => Attr::Other,
+            }
+        }
+        XLA_FFI_AttrType_ARRAY => {
+            // SAFETY: an ARRAY attribute is an `XLA_FFI_Array` (caller's guarantee).
+            let arr = unsafe { &*p.cast::<XLA_FFI_Array>() };
+            if arr.dtype != XLA_FFI_DataType_S64 {
+                Attr::Other
+            } else if arr.size == 0 || arr.data.is_null() {
+                Attr::Ints(&[])
+            } else {
+                // SAFETY: an S64 array holds `size` `i64`s at `data`.
+                Attr::Ints(unsafe { std::slice::from_raw_parts(arr.data.cast::<i64>(), arr.size) })
+            }
+        }
+        XLA_FFI_AttrType_STRING => {
+            // SAFETY: a STRING attribute is an `XLA_FFI_ByteSpan` (caller's guarantee).
+            let s = unsafe { &*p.cast::<XLA_FFI_ByteSpan>() };
+            if s.len == 0 {
+                return Attr::Str("");
+            }
+            // SAFETY: the span's `len` bytes at `ptr` are readable.
+            let b = unsafe { std::slice::from_raw_parts(s.ptr.cast::<u8>(), s.len) };
+            std::str::from_utf8(b).map_or(Attr::Other, Attr::Str)
+        }
+        _ => Attr::Other,
+    }
+}
+
+/// Reads an `XLA_FFI_Buffer`.
+///
+/// # Safety
+/// `b` must be null or point to an `XLA_FFI_Buffer` valid for `'a`.
+unsafe fn buffer_ref<'a>(b: *const XLA_FFI_Buffer, what: &str, i: usize) -> Result<BufferRef<'a>> {
+    if b.is_null() {
+        return Err(Error::Invalid(format!("{what} {i} is null")));
+    }
+    // SAFETY: guaranteed by the caller.
+    let b = unsafe { &*b };
+    let dtype = match b.dtype {
+        XLA_FFI_DataType_F32 => DType::F32,
+        XLA_FFI_DataType_F64 => DType::F64,
+        d => {
+            return Err(Error::Invalid(format!(
+                "{what} {i} has XLA element type {d}; kiln's kernels take f32 or f64"
+            )))
+        }
+    };
+    let rank = b.rank.max(0) as usize;
+    let dims = if rank == 0 {
+        &[][..]
+    } else {
+        // SAFETY: `dims` holds `rank` entries valid for the call.
+        unsafe { std::slice::from_raw_parts(b.dims, rank) }
+    };
+    if dims.iter().any(|&d| d < 0) {
+        return Err(Error::Invalid(format!("{what} {i} has dims {dims:?}")));
+    }
+    Ok(BufferRef {
+        dtype,
+        dims,
+        data: b.data,
+    })
+}
+
+impl BufferRef<'_> {
+    /// A libtorch tensor viewing this buffer's memory (no copy), contiguous with the buffer's
+    /// dims.
+    ///
+    /// The view does not own the memory: it must be dropped before the kernel returns (every
+    /// kiln kernel builds its views inside [`FfiKernel::run`] and drops them there). Writing
+    /// through a view of an *operand* is not allowed (XLA may share the buffer).
+    pub fn tensor(&self) -> Result<tch::Tensor> {
+        let kind = match self.dtype {
+            DType::F32 => tch::Kind::Float,
+            _ => tch::Kind::Double,
+        };
+        let numel: i64 = self.dims.iter().product();
+        if numel > 0 && self.data.is_null() {
+            return Err(Error::Invalid("buffer with null data".into()));
+        }
+        // SAFETY: XLA guarantees that `data` holds a dense row-major array of `dims` elements
+        // of this type for the duration of the call, and the view is dropped within the call
+        // (see above). Empty arrays are viewed without reading memory.
+        let t = unsafe {
+            tch::Tensor::f_from_blob(
+                self.data.cast::<u8>(),
+                self.dims,
+                &[],
+                kind,
+                tch::Device::Cpu,
+            )
+        }?;
+        Ok(t)
+    }
+}

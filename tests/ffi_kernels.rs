@@ -1,0 +1,501 @@
+//! libtorch kernels inside XLA executables (PJRT FFI custom calls) against XLA's own lowering
+//! and a float64 reference.
+//!
+//! Each f32 case runs three ways: XLA native (`stablehlo.convolution` / `dot_general`), the
+//! FFI kernel, and the same graph in float64 on the eager interpreter (libtorch). The FFI
+//! result's error against the float64 result must be at most a small multiple of XLA native's
+//! error plus a floor: both are float32 computations of the same sums, in different orders.
+//! f64 cases must agree with the float64 reference to 1e-12 (relative to the largest value).
+
+use kiln::autograd::vjp;
+use kiln::backend::eager::EagerBackend;
+use kiln::backend::xla::kernels::{CONV_TARGET, DOT_TARGET};
+use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
+use kiln::backend::{Backend, HostTensor};
+use kiln::ir::{ConvAttrs, DType, DotDims, Graph, InputKind, Op, TensorType};
+use std::sync::OnceLock;
+
+fn xla() -> &'static XlaBackend {
+    static X: OnceLock<XlaBackend> = OnceLock::new();
+    X.get_or_init(|| XlaBackend::new().expect("the PJRT CPU plugin (run scripts/bootstrap.sh)"))
+}
+
+fn native() -> XlaBackend {
+    xla().with_options(XlaOptions::plain())
+}
+
+fn ffi() -> XlaBackend {
+    let b = xla().with_options(XlaOptions::plain().ffi(FfiMode::All));
+    assert_eq!(b.ffi_status(), Ok(()), "the CPU plugin runs kiln's kernels");
+    b
+}
+
+fn run<B: Backend>(b: &B, g: &Graph, inputs: &[HostTensor]) -> Vec<HostTensor> {
+    let exe = b.compile(g).unwrap_or_else(|e| panic!("compile: {e}"));
+    let bufs: Vec<B::Buffer> = inputs.iter().map(|h| b.to_device(h).unwrap()).collect();
+    let refs: Vec<&B::Buffer> = bufs.iter().collect();
+    let outs = b
+        .execute(&exe, &refs)
+        .unwrap_or_else(|e| panic!("execute: {e}"));
+    outs.iter().map(|o| b.to_host(o).unwrap()).collect()
+}
+
+/// Seeded uniform values in [-1, 1).
+fn random(ty: &TensorType, seed: u64) -> HostTensor {
+    let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let v: Vec<f64> = (0..ty.shape.numel())
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+        })
+        .collect();
+    match ty.dtype {
+        DType::F32 => {
+            let f: Vec<f32> = v.iter().map(|&a| a as f32).collect();
+            HostTensor::from_slice(ty.shape.dims(), &f).unwrap()
+        }
+        _ => HostTensor::from_slice(ty.shape.dims(), &v).unwrap(),
+    }
+}
+
+fn to_f64(h: &HostTensor) -> HostTensor {
+    HostTensor::from_slice(h.ty().shape.dims(), &h.to_f64_vec()).unwrap()
+}
+
+/// The graph with every input and node in f64 (same ops).
+fn graph_f64(g: &Graph) -> Graph {
+    let mut h = Graph::new();
+    let mut map = std::collections::HashMap::new();
+    for id in g.topo_order() {
+        let n = g.node(id);
+        let new = match &n.op {
+            Op::Input(i) => {
+                let inp = &g.inputs()[*i];
+                let ty = TensorType::new(DType::F64, inp.ty.shape.dims());
+                h.add_input(inp.kind.clone(), &inp.name, ty)
+            }
+            op => {
+                let ops: Vec<_> = n.operands.iter().map(|o| map[o]).collect();
+                h.add(op.clone(), &ops).unwrap()
+            }
+        };
+        map.insert(id, new);
+    }
+    h.set_outputs(g.outputs().iter().map(|o| map[o]).collect())
+        .unwrap();
+    h
+}
+
+fn max_err(got: &HostTensor, want: &[f64]) -> f64 {
+    got.to_f64_vec()
+        .iter()
+        .zip(want)
+        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
+}
+
+/// Checks `g` (f32 or f64) with FFI kernels against XLA native and the float64 reference;
+/// returns `(ffi error, native error)` of the worst output, relative to its scale.
+fn check(what: &str, g: &Graph, ins: &[HostTensor], target: &str) -> (f64, f64) {
+    let lowered = ffi().lower(g).unwrap();
+    assert!(
+        lowered.contains(target),
+        "{what}: the FFI lowering has no {target} custom call:\n{lowered}"
+    );
+    let ins64: Vec<HostTensor> = ins.iter().map(to_f64).collect();
+    let want = run(&EagerBackend::new(), &graph_f64(g), &ins64);
+    let got = run(&ffi(), g, ins);
+    let nat = run(&native(), g, ins);
+    let mut worst = (0.0f64, 0.0f64);
+    for (j, w) in want.iter().enumerate() {
+        assert_eq!(got[j].ty(), nat[j].ty(), "{what}: output {j} type");
+        let w = w.to_f64_vec();
+        let scale = w.iter().fold(1.0f64, |m, a| m.max(a.abs()));
+        let (ef, en) = (max_err(&got[j], &w) / scale, max_err(&nat[j], &w) / scale);
+        let f32_graph = got[j].ty().dtype == DType::F32;
+        let bound = if f32_graph { 4.0 * en + 1e-6 } else { 1e-12 };
+        assert!(
+            ef <= bound,
+            "{what}: output {j}: FFI error {ef:.3e} (relative), XLA native {en:.3e}, bound {bound:.3e}"
+        );
+        worst = (worst.0.max(ef), worst.1.max(en));
+    }
+    worst
+}
+
+fn conv_graph(c: &ConvAttrs, x: &TensorType, w: &TensorType) -> Graph {
+    let mut g = Graph::new();
+    let a = g.add_input(InputKind::Data, "x", x.clone());
+    let b = g.add_input(InputKind::Data, "w", w.clone());
+    let y = g.add(Op::Conv(c.clone()), &[a, b]).unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    g
+}
+
+fn case(
+    x: &[usize],
+    k: &[usize],
+    f: impl FnOnce(&mut ConvAttrs),
+) -> (Vec<usize>, Vec<usize>, ConvAttrs) {
+    let mut a = ConvAttrs::plain(x.len() - 2);
+    f(&mut a);
+    (x.to_vec(), k.to_vec(), a)
+}
+
+/// Every path of the kernel: direct (symmetric padding), padding with high < low (narrowed),
+/// explicit padding (high > low, negative), transposed (input dilation), transposed with a
+/// narrowed result, explicit dilation (input dilation with stride or padding beyond the
+/// kernel), batch groups; 1-3 spatial dims.
+fn conv_cases() -> Vec<(Vec<usize>, Vec<usize>, ConvAttrs)> {
+    vec![
+        case(&[2, 3, 7, 6], &[4, 3, 3, 2], |_| {}),
+        case(&[2, 16, 6, 6], &[8, 16, 3, 3], |a| {
+            a.padding = vec![(1, 1), (1, 1)]
+        }),
+        case(&[2, 3, 7, 6], &[4, 3, 3, 3], |a| {
+            a.strides = vec![2, 1];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        case(&[2, 8, 6, 6], &[5, 8, 1, 1], |a| a.strides = vec![2, 2]),
+        case(&[1, 3, 12, 11], &[4, 3, 7, 7], |a| {
+            a.strides = vec![2, 2];
+            a.padding = vec![(3, 3), (3, 3)];
+        }),
+        // high < low (symmetric low, then narrowed).
+        case(&[1, 2, 6, 5], &[3, 2, 3, 2], |a| {
+            a.padding = vec![(2, 0), (1, -1)]
+        }),
+        // high > low and negative padding (explicit pad / crop).
+        case(&[1, 2, 6, 5], &[3, 2, 3, 2], |a| {
+            a.padding = vec![(0, 2), (0, 1)]
+        }),
+        case(&[1, 2, 6, 7], &[3, 2, 2, 3], |a| {
+            a.padding = vec![(-1, 1), (1, -2)]
+        }),
+        // Kernel dilation with stride.
+        case(&[2, 2, 8, 7], &[3, 2, 3, 2], |a| {
+            a.rhs_dilation = vec![2, 3];
+            a.padding = vec![(1, 2), (0, 1)];
+            a.strides = vec![1, 2];
+        }),
+        // Weight-gradient shapes.
+        case(&[6, 2, 8, 8], &[5, 2, 4, 4], |a| {
+            a.rhs_dilation = vec![2, 2];
+            a.padding = vec![(0, -1), (0, -1)];
+        }),
+        case(&[6, 2, 5, 5], &[5, 2, 5, 5], |a| {
+            a.padding = vec![(1, 1), (1, 1)]
+        }),
+        // Grouped and depthwise (multiplier 2).
+        case(&[2, 6, 5, 5], &[9, 2, 3, 3], |a| a.feature_groups = 3),
+        case(&[2, 4, 6, 6], &[8, 1, 3, 3], |a| {
+            a.feature_groups = 4;
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        // Batch groups.
+        case(&[4, 3, 5, 5], &[6, 3, 2, 2], |a| a.batch_groups = 2),
+        case(&[3, 2, 6, 5], &[6, 2, 3, 3], |a| {
+            a.batch_groups = 3;
+            a.strides = vec![2, 1];
+            a.padding = vec![(1, 0), (1, 1)];
+        }),
+        // Input dilation: transposed convolution (output padding 0 and 1) ...
+        case(&[1, 3, 4, 4], &[2, 3, 3, 3], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.padding = vec![(1, 2), (1, 1)];
+        }),
+        case(&[2, 4, 3, 3], &[3, 4, 1, 1], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.padding = vec![(0, 1), (0, 1)];
+        }),
+        // ... with high < low (narrowed), grouped, kernel-dilated ...
+        case(&[2, 4, 4, 3], &[6, 2, 3, 3], |a| {
+            a.lhs_dilation = vec![2, 3];
+            a.padding = vec![(2, 1), (1, 0)];
+            a.feature_groups = 2;
+        }),
+        case(&[1, 2, 5, 5], &[2, 2, 3, 2], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.rhs_dilation = vec![2, 3];
+            a.padding = vec![(3, 4), (2, 2)];
+        }),
+        // ... and beyond it (explicit dilation): stride > 1, padding wider than the kernel,
+        // output padding too large.
+        case(&[1, 2, 5, 5], &[3, 2, 3, 3], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.strides = vec![2, 1];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        case(&[1, 2, 4, 4], &[3, 2, 2, 2], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.padding = vec![(3, 0), (0, 3)];
+        }),
+        // 1-d and 3-d.
+        case(&[2, 3, 10], &[4, 3, 3], |a| {
+            a.strides = vec![2];
+            a.padding = vec![(1, 2)];
+            a.rhs_dilation = vec![2];
+        }),
+        case(&[1, 2, 5], &[3, 2, 2], |a| {
+            a.lhs_dilation = vec![3];
+            a.padding = vec![(1, 1)];
+        }),
+        case(&[1, 2, 4, 4, 5], &[2, 2, 2, 2, 3], |a| {
+            a.strides = vec![1, 2, 1];
+            a.padding = vec![(0, 1), (1, 0), (1, 1)];
+        }),
+    ]
+}
+
+#[test]
+fn conv_kernel_matches_xla_and_f64_reference() {
+    for (i, (xs, ks, a)) in conv_cases().into_iter().enumerate() {
+        for d in [DType::F32, DType::F64] {
+            let xt = TensorType::new(d, xs.as_slice());
+            let kt = TensorType::new(d, ks.as_slice());
+            let g = conv_graph(&a, &xt, &kt);
+            let ins = [random(&xt, i as u64), random(&kt, 1000 + i as u64)];
+            let what = format!("case {i} {d} x{xs:?} k{ks:?} {a:?}");
+            let (ef, en) = check(&what, &g, &ins, CONV_TARGET);
+            println!("{what}: relative error FFI {ef:.2e}, XLA {en:.2e}");
+        }
+    }
+}
+
+/// Forward, input-gradient and weight-gradient convolutions as kiln's autograd builds them
+/// (resnet- and mobilenet-like layers), all through the kernel.
+#[test]
+fn autograd_convs_through_the_kernel() {
+    let layers = vec![
+        case(&[2, 16, 8, 8], &[16, 16, 3, 3], |a| {
+            a.padding = vec![(1, 1), (1, 1)]
+        }),
+        case(&[2, 8, 8, 8], &[16, 8, 3, 3], |a| {
+            a.strides = vec![2, 2];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        case(&[2, 8, 7, 7], &[16, 8, 1, 1], |a| a.strides = vec![2, 2]),
+        case(&[2, 3, 13, 13], &[8, 3, 7, 7], |a| {
+            a.strides = vec![2, 2];
+            a.padding = vec![(3, 3), (3, 3)];
+        }),
+        case(&[2, 8, 6, 6], &[8, 1, 3, 3], |a| {
+            a.feature_groups = 8;
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        case(&[2, 8, 7, 7], &[8, 2, 3, 3], |a| {
+            a.feature_groups = 4;
+            a.strides = vec![2, 2];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+    ];
+    for (i, (xs, ks, a)) in layers.into_iter().enumerate() {
+        let xt = TensorType::new(DType::F32, xs.as_slice());
+        let kt = TensorType::new(DType::F32, ks.as_slice());
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", xt.clone());
+        let w = g.add_input(InputKind::Parameter, "w", kt.clone());
+        let y = g.add(Op::Conv(a.clone()), &[x, w]).unwrap();
+        let yt = g.node(y).ty.clone();
+        let ct = g.add_input(InputKind::Cotangent, "ct", yt.clone());
+        let grads = vjp(&mut g, y, ct, &[true, true]).unwrap();
+        g.set_outputs(vec![y, grads[0].unwrap(), grads[1].unwrap()])
+            .unwrap();
+        let ins = [
+            random(&xt, i as u64),
+            random(&kt, 50 + i as u64),
+            random(&yt, 99 + i as u64),
+        ];
+        let lowered = ffi().lower(&g).unwrap();
+        assert_eq!(
+            lowered.matches(CONV_TARGET).count(),
+            3,
+            "layer {i}: all three convolutions through the kernel"
+        );
+        assert_eq!(
+            lowered.matches("form = 1").count(),
+            1,
+            "layer {i}: the input gradient reads the forward weight:\n{lowered}"
+        );
+        // Ungrouped 2-d weight gradients read the forward input and cotangent directly and
+        // write the weight gradient itself (convolution and transpose as one call).
+        assert_eq!(
+            lowered.matches("form = 3").count(),
+            usize::from(a.feature_groups == 1),
+            "layer {i}: weight gradient form:\n{lowered}"
+        );
+        assert!(!lowered.contains("form = 2"));
+        let what = format!("layer {i} x{xs:?} k{ks:?} {a:?}");
+        let (ef, en) = check(&what, &g, &ins, CONV_TARGET);
+        println!("{what}: relative error FFI {ef:.2e}, XLA {en:.2e}");
+    }
+}
+
+fn dot(lb: &[usize], rb: &[usize], lc: &[usize], rc: &[usize]) -> DotDims {
+    DotDims {
+        lhs_batch: lb.to_vec(),
+        rhs_batch: rb.to_vec(),
+        lhs_contract: lc.to_vec(),
+        rhs_contract: rc.to_vec(),
+    }
+}
+
+#[test]
+fn dot_kernel_matches_xla_and_f64_reference() {
+    let cases: Vec<(Vec<usize>, Vec<usize>, DotDims)> = vec![
+        // torch Linear layout: x[N, in] . W[out, in]^T
+        (vec![4, 96], vec![40, 96], dot(&[], &[], &[1], &[1])),
+        // plain matmul, matrix-vector, vector-vector, outer product
+        (vec![5, 7], vec![7, 3], dot(&[], &[], &[1], &[0])),
+        (vec![5, 7], vec![7], dot(&[], &[], &[1], &[0])),
+        (vec![7], vec![7], dot(&[], &[], &[0], &[0])),
+        (vec![3], vec![4], dot(&[], &[], &[], &[])),
+        // attention: [B, H, S, D] x [B, H, S, D] contracting D, batch (B, H)
+        (
+            vec![2, 3, 5, 8],
+            vec![2, 3, 6, 8],
+            dot(&[0, 1], &[0, 1], &[3], &[3]),
+        ),
+        // batch dims not leading, two contracting dims in swapped order
+        (
+            vec![3, 2, 4, 5],
+            vec![5, 4, 2, 6],
+            dot(&[1], &[2], &[2, 3], &[1, 0]),
+        ),
+        // 3-d activations through a Linear weight
+        (vec![2, 5, 16], vec![12, 16], dot(&[], &[], &[2], &[1])),
+        // weight gradient of a Linear: ct[N, out]^T . x[N, in]
+        (vec![6, 10], vec![6, 9], dot(&[], &[], &[0], &[0])),
+    ];
+    for (i, (a, b, d)) in cases.into_iter().enumerate() {
+        for dt in [DType::F32, DType::F64] {
+            let at = TensorType::new(dt, a.as_slice());
+            let bt = TensorType::new(dt, b.as_slice());
+            let mut g = Graph::new();
+            let x = g.add_input(InputKind::Data, "a", at.clone());
+            let y = g.add_input(InputKind::Data, "b", bt.clone());
+            let z = g.add(Op::DotGeneral(d.clone()), &[x, y]).unwrap();
+            g.set_outputs(vec![z]).unwrap();
+            let ins = [random(&at, i as u64), random(&bt, 77 + i as u64)];
+            let what = format!("dot {i} {dt} {a:?} {b:?} {d:?}");
+            let (ef, en) = check(&what, &g, &ins, DOT_TARGET);
+            println!("{what}: relative error FFI {ef:.2e}, XLA {en:.2e}");
+        }
+    }
+}
+
+/// Kernels fused between XLA ops, several independent calls (which XLA may run concurrently),
+/// run from several threads at once.
+#[test]
+fn kernels_inside_a_larger_graph_from_many_threads() {
+    let xt = TensorType::new(DType::F32, [2, 8, 6, 6]);
+    let kt = TensorType::new(DType::F32, [8, 1, 3, 3]);
+    let wt = TensorType::new(DType::F32, [10, 8 * 36]);
+    let mut c = ConvAttrs::plain(2);
+    c.padding = vec![(1, 1), (1, 1)];
+    c.feature_groups = 8;
+    let mut g = Graph::new();
+    let x = g.add_input(InputKind::Data, "x", xt.clone());
+    let k = g.add_input(InputKind::Parameter, "k", kt.clone());
+    let w = g.add_input(InputKind::Parameter, "w", wt.clone());
+    let e = g.add(Op::Unary(kiln::ir::UnaryOp::Exp), &[x]).unwrap();
+    let c1 = g.add(Op::Conv(c.clone()), &[x, k]).unwrap();
+    let c2 = g.add(Op::Conv(c.clone()), &[e, k]).unwrap();
+    let s = g
+        .add(Op::Binary(kiln::ir::BinaryOp::Add), &[c1, c2])
+        .unwrap();
+    let f = g
+        .add(
+            Op::Reshape(kiln::ir::Shape::from(vec![2usize, 8 * 36])),
+            &[s],
+        )
+        .unwrap();
+    let y = g
+        .add(Op::DotGeneral(dot(&[], &[], &[1], &[1])), &[f, w])
+        .unwrap();
+    let t = g.add(Op::Unary(kiln::ir::UnaryOp::Tanh), &[y]).unwrap();
+    g.set_outputs(vec![t, c1]).unwrap();
+    let ins = [random(&xt, 1), random(&kt, 2), random(&wt, 3)];
+    check("fused graph", &g, &ins, DOT_TARGET);
+    let want = run(&native(), &g, &ins);
+    let b = ffi();
+    let exe = b.compile(&g).unwrap();
+    let bufs: Vec<_> = ins.iter().map(|h| b.to_device(h).unwrap()).collect();
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..20 {
+                    let refs: Vec<_> = bufs.iter().collect();
+                    let out = b.execute(&exe, &refs).unwrap();
+                    for (o, w) in out.iter().zip(&want) {
+                        let o = b.to_host(o).unwrap();
+                        let err = max_err(&o, &w.to_f64_vec());
+                        assert!(err < 1e-4, "concurrent run differs by {err}");
+                    }
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn ffi_modes_have_distinct_cache_keys_and_off_is_pure_xla() {
+    let keys: Vec<String> = [FfiMode::Off, FfiMode::Auto, FfiMode::All]
+        .into_iter()
+        .map(|m| xla().with_options(XlaOptions::plain().ffi(m)).cache_key())
+        .collect();
+    assert_ne!(keys[0], keys[1]);
+    assert_ne!(keys[1], keys[2]);
+    assert_ne!(keys[0], keys[2]);
+    let xt = TensorType::new(DType::F32, [1, 2, 5, 5]);
+    let kt = TensorType::new(DType::F32, [3, 2, 3, 3]);
+    let g = conv_graph(&ConvAttrs::plain(2), &xt, &kt);
+    let off = xla().with_options(XlaOptions::plain()).lower(&g).unwrap();
+    assert!(!off.contains("custom_call") && off.contains("stablehlo.convolution"));
+    // Integer products are not the kernels' business, whatever the mode.
+    let it = TensorType::new(DType::I32, [3, 4]);
+    let mut gi = Graph::new();
+    let a = gi.add_input(InputKind::Data, "a", it.clone());
+    let b = gi.add_input(InputKind::Data, "b", it.clone());
+    let z = gi
+        .add(Op::DotGeneral(dot(&[], &[], &[1], &[1])), &[a, b])
+        .unwrap();
+    gi.set_outputs(vec![z]).unwrap();
+    let lowered = ffi().lower(&gi).unwrap();
+    assert!(!lowered.contains("custom_call") && lowered.contains("dot_general"));
+}
+
+/// A custom call whose result type does not match its operands is an execution error that
+/// names the kernel and the shapes, not a crash.
+#[test]
+fn wrong_result_shape_is_an_error_with_a_message() {
+    let b = ffi();
+    let xt = TensorType::new(DType::F32, [1, 2, 5, 5]);
+    let kt = TensorType::new(DType::F32, [3, 2, 3, 3]);
+    let bad = TensorType::new(DType::F32, [1, 3, 4, 4]);
+    let line = kiln::backend::xla::kernels::conv_call_mlir(
+        "%y",
+        ["%x", "%k"],
+        &ConvAttrs::plain(2),
+        &xt,
+        &kt,
+        &bad,
+    );
+    let mlir = format!(
+        "module @m {{\n func.func public @main(%x: tensor<1x2x5x5xf32>, %k: tensor<3x2x3x3xf32>) -> tensor<1x3x4x4xf32> {{\n  {line}\n  \"func.return\"(%y) : (tensor<1x3x4x4xf32>) -> ()\n }}\n}}\n"
+    );
+    let exe = b.compile_mlir(&mlir).unwrap();
+    let ins = [random(&xt, 1), random(&kt, 2)];
+    let bufs: Vec<_> = ins.iter().map(|h| b.to_device(h).unwrap()).collect();
+    let raw: Vec<_> = bufs.iter().map(|x| x.raw()).collect();
+    let e = match exe.execute(&raw) {
+        Ok(outs) => outs[0].ready().expect_err("the call fails"),
+        Err(e) => e,
+    }
+    .to_string();
+    assert!(
+        e.contains(CONV_TARGET) && e.contains("[1, 3, 3, 3]") && e.contains("[1, 3, 4, 4]"),
+        "{e}"
+    );
+}
