@@ -55,7 +55,13 @@ use kiln::optim::Sgd;
 use kiln::train::{EagerTrainStep, TrainMode, TrainStep};
 use kiln::zoo::{self, Model, SharedModel};
 use kiln::{DType, Tensor};
+use std::sync::Mutex;
 use std::time::Instant;
+
+/// One model at a time: each check holds a float32 model, its float64 twin, both sides'
+/// gradients and two train steps' resident state (vgg16: about 10 GB), so two checks side by
+/// side on the test harness's threads can exceed a 24 GB machine.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// Float64 kiln vs float64 libtorch, global relative error. Measured at most 2.1e-14 (resnet18);
 /// the limit leaves three orders of magnitude for other CPUs' summation orders while staying
@@ -203,6 +209,7 @@ fn check_grads(
     batch: usize,
     inputs: Option<Vec<Tensor>>,
 ) -> (f64, f64, f64) {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let t0 = Instant::now();
     let m32: SharedModel = SharedModel::new(zoo::build(name, 0).unwrap());
     let m64 = f64_twin(name, &m32);
@@ -394,6 +401,7 @@ fn vars(model: &dyn Model) -> Vec<(String, tch::Tensor)> {
 /// about 0.34 in global norm over the three steps (printed).
 #[test]
 fn resnet18_batchnorm_running_stats_and_params_match_eager() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     const STEPS: u64 = 3;
     const BATCH: usize = 2;
     let lr = 0.05;

@@ -1,6 +1,6 @@
 //! libtorch kernels inside XLA executables: convolutions and matrix products lowered to
-//! `stablehlo.custom_call`s that XLA runs through kiln's FFI handlers (see
-//! [`pjrt::ffi`](super::pjrt::ffi)), on XLA's own buffers, while everything around them
+//! `stablehlo.custom_call`s that XLA runs through kiln's FFI handlers (the crate-private
+//! `pjrt::ffi` module), on XLA's own buffers, while everything around them
 //! (elementwise ops, reductions, normalisation) stays in XLA and is fused there.
 //!
 //! Why: on the CPU plugin (xla-cpu-pjrt 0.0.1) XLA's convolution emitter is several times
