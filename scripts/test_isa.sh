@@ -16,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 # The tests that compare floating-point results with references.
-tests=(--test ops --test autograd --test zoo_grad --test zoo --test conv_lowering --test optim --test train)
+tests=(--test ops --test autograd --test zoo_grad --test zoo --test conv_lowering --test optim --test train
+  --test ffi_kernels)
 run() {
   local name=$1; shift
   echo "== numerical tests restricted to $name: $*"
