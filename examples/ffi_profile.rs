@@ -213,7 +213,7 @@ enum Item {
 impl Item {
     /// The one-op graph (dots, forward convolutions) or the autograd graph of one gradient,
     /// with the convolution node that lowering decides on.
-    fn graph(&self) -> kiln::Result<(Graph, NodeId, TensorType, TensorType)> {
+    fn graph(&self) -> kiln::Result<(Graph, NodeId)> {
         let mut g = Graph::new();
         let (op, at, bt) = match self {
             Item::Conv(_, c, x, w) => (Op::Conv(c.clone()), x, w),
@@ -228,7 +228,7 @@ impl Item {
         };
         if part == Part::Forward {
             g.set_outputs(vec![y])?;
-            return Ok((g, y, at.clone(), bt.clone()));
+            return Ok((g, y));
         }
         let yt = g.node(y).ty.clone();
         let ct = g.add_input(InputKind::Cotangent, "ct", yt);
@@ -245,12 +245,7 @@ impl Item {
             .rev()
             .find(|&n| matches!(g.node(n).op, Op::Conv(_)))
             .ok_or_else(|| kiln::Error::Invalid("no convolution".into()))?;
-        let n = g.node(conv);
-        let (ct, kt) = (
-            g.node(n.operands[0]).ty.clone(),
-            g.node(n.operands[1]).ty.clone(),
-        );
-        Ok((g, conv, ct, kt))
+        Ok((g, conv))
     }
 }
 
@@ -408,16 +403,21 @@ fn e2e(name: &str, reps: usize, xla: &XlaBackend) -> kiln::Result<()> {
         fns.push(f);
     }
     let mut inf = vec![Vec::new(); 4];
+    // Time inside the kernels per run of the FFI variants (best run's share).
+    let mut kern = vec![Vec::new(); 4];
     for _ in 0..reps {
         let s = Instant::now();
         tch::no_grad(|| model.forward(&inputs, false))?;
         inf[0].push(s.elapsed().as_secs_f64());
         for (i, f) in fns.iter_mut().enumerate() {
+            kernels::reset_stats();
             let s = Instant::now();
             f.run(&inputs)?;
             inf[i + 1].push(s.elapsed().as_secs_f64());
+            kern[i + 1].push(kernels::stats());
         }
     }
+    print_kernel_share(name, "inference", &inf, &kern);
     let m = model.clone();
     let mut eager =
         kiln::train::EagerTrainStep::new(model.store(), Sgd::new().momentum(0.9), move |xs| {
@@ -437,16 +437,20 @@ fn e2e(name: &str, reps: usize, xla: &XlaBackend) -> kiln::Result<()> {
         eager.step(&inputs)?
     );
     let mut tr = vec![Vec::new(); 4];
+    let mut kern = vec![Vec::new(); 4];
     for _ in 0..reps {
         let s = Instant::now();
         eager.step(&inputs)?;
         tr[0].push(s.elapsed().as_secs_f64());
         for (i, st) in steps.iter_mut().enumerate() {
+            kernels::reset_stats();
             let s = Instant::now();
             st.step(&inputs)?;
             tr[i + 1].push(s.elapsed().as_secs_f64());
+            kern[i + 1].push(kernels::stats());
         }
     }
+    print_kernel_share(name, "training", &tr, &kern);
     println!(
         "{:<14} {:<11} {:>9} {:>9} {:>9} {:>9}",
         "model", "ms (best)", "eager", "xla", "ffi auto", "ffi all"
@@ -512,12 +516,8 @@ fn main() -> kiln::Result<()> {
             if !args.filter.is_empty() && !args.filter.iter().any(|f| key.contains(f.as_str())) {
                 continue;
             }
-            let (g, node, at, bt) = item.graph()?;
-            let auto = match &g.node(node).op {
-                Op::Conv(c) => FfiMode::Auto.conv(c, &at, &bt),
-                Op::DotGeneral(d) => FfiMode::Auto.dot(d, &at, &bt),
-                _ => false,
-            };
+            let (g, node) = item.graph()?;
+            let auto = kernels::ffi_lowering(&g, node, &FfiMode::Auto).is_some();
             let ins: Vec<HostTensor> = g
                 .inputs()
                 .iter()
@@ -568,4 +568,28 @@ fn main() -> kiln::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The kernel counters of the fastest run of the two FFI variants (columns 2 and 3 of `times`).
+fn print_kernel_share(
+    name: &str,
+    what: &str,
+    times: &[Vec<f64>],
+    kern: &[Vec<kernels::KernelStats>],
+) {
+    for i in [2, 3] {
+        let (b, _) = times[i]
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap_or((0, &0.0));
+        let k = kern[i][b];
+        println!(
+            "{name} {what} ({}): {} kernel calls, {:.2} ms in kernels, {:.2} ms waiting for the lock",
+            if i == 2 { "ffi auto" } else { "ffi all" },
+            k.calls,
+            k.run_ns as f64 * 1e-6,
+            k.wait_ns as f64 * 1e-6
+        );
+    }
 }

@@ -3,50 +3,24 @@
 //! (forward, backward, optimizer executables) and fused (one executable) training steps.
 //! Prints the loss per epoch, the time per epoch and the final test accuracy of each.
 //!
-//! `cargo run --release --example train [-- --epochs N]`
+//! With `--mixed bf16` or `--mixed f16`, the compiled runs train in mixed precision (f32
+//! master weights, products and convolutions in the 16-bit dtype, loss scaling for f16; see
+//! `TrainStep::with_mixed_precision`).
+//!
+//! `cargo run --release --example train [-- --epochs N] [--mixed bf16|f16]`
 
 #[path = "common/digits.rs"]
 mod digits;
 
 use digits::{permutation, Digits};
 use kiln::backend::xla::XlaBackend;
-use kiln::nn::{
-    Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Module, ParamStore, Relu, Sequential, Shared,
-};
+use kiln::nn::{Module, ParamStore, Shared};
 use kiln::optim::Sgd;
 use kiln::train::{EagerTrainStep, TrainMode, TrainStep};
 use kiln::Tensor;
 use std::time::Instant;
 
 const BATCH: usize = 64;
-
-fn cnn(store: &ParamStore) -> kiln::Result<Sequential> {
-    let r = store.root();
-    let pad1 = Conv2dConfig {
-        padding: [1, 1],
-        ..Default::default()
-    };
-    Ok(Sequential::new()
-        .add(Conv2d::new(&r.sub("conv1"), 1, 16, 3, pad1)?)
-        .add(Relu)
-        .add(MaxPool2d::new(2, 2, 0))
-        .add(Conv2d::new(&r.sub("conv2"), 16, 32, 3, pad1)?)
-        .add(Relu)
-        .add(MaxPool2d::new(2, 2, 0))
-        .add(Flatten::default())
-        .add(Linear::new(&r.sub("fc"), 32 * 2 * 2, 10, true)?))
-}
-
-fn accuracy(model: &impl Module, data: &Digits, idx: &[usize]) -> kiln::Result<f64> {
-    let (x, y) = data.batch(idx)?;
-    let logits = tch::no_grad(|| model.forward(&x))?;
-    let pred = logits.as_tch()?.f_argmax(-1, false)?;
-    let correct = pred
-        .f_eq_tensor(y.as_tch()?)?
-        .f_sum(tch::Kind::Int64)?
-        .int64_value(&[]);
-    Ok(correct as f64 / idx.len() as f64)
-}
 
 enum Trainer {
     Eager(EagerTrainStep),
@@ -59,19 +33,34 @@ fn main() -> kiln::Result<()> {
         .nth(1)
         .and_then(|v| v.parse().ok())
         .unwrap_or(10);
+    let mixed = match std::env::args()
+        .skip_while(|a| a != "--mixed")
+        .nth(1)
+        .as_deref()
+    {
+        None => None,
+        Some("bf16") => Some(kiln::DType::BF16),
+        Some("f16") => Some(kiln::DType::F16),
+        Some(other) => {
+            return Err(kiln::Error::Invalid(format!(
+                "--mixed {other}: expected bf16 or f16"
+            )))
+        }
+    };
     let data = Digits::load()?;
     let order = permutation(data.len(), 0);
     let (test_idx, train_idx) = order.split_at(data.len() / 5);
     println!(
-        "digits: {} train / {} test images of 8x8; batch {BATCH}, {epochs} epochs, SGD momentum 0.9, lr 0.05",
+        "digits: {} train / {} test images of 8x8; batch {BATCH}, {epochs} epochs, SGD momentum 0.9, lr 0.05{}",
         train_idx.len(),
-        test_idx.len()
+        test_idx.len(),
+        mixed.map(|d| format!("; compiled runs in mixed precision ({d})")).unwrap_or_default()
     );
     let mut summary = Vec::new();
     for mode in ["eager", "xla split", "xla fused"] {
         // The same seed gives every run the same initial weights.
         let store = ParamStore::with_seed(1);
-        let model = Shared::new(cnn(&store)?);
+        let model = Shared::new(digits::cnn(&store)?);
         let m = model.clone();
         let loss_fn = move |xs: &[Tensor]| m.forward_t(&xs[0], true)?.cross_entropy(&xs[1]);
         let opt = Sgd::new().momentum(0.9);
@@ -83,11 +72,13 @@ fn main() -> kiln::Result<()> {
                 } else {
                     TrainMode::Fused
                 };
-                Trainer::Xla(Box::new(
-                    TrainStep::new(XlaBackend::new()?, &store, opt, loss_fn)?
-                        .with_mode(tm)
-                        .with_lr(0.05),
-                ))
+                let mut step = TrainStep::new(XlaBackend::new()?, &store, opt, loss_fn)?
+                    .with_mode(tm)
+                    .with_lr(0.05);
+                if let Some(d) = mixed {
+                    step = step.with_mixed_precision(d)?;
+                }
+                Trainer::Xla(Box::new(step))
             }
         };
         let mut times = Vec::new();
@@ -124,7 +115,7 @@ fn main() -> kiln::Result<()> {
                 s.stats()
             );
         }
-        let acc = accuracy(&model, &data, test_idx)?;
+        let acc = digits::accuracy(&model, &data, test_idx)?;
         // Epoch 1 includes compilation; report the median of the rest too.
         let mut steady = times[1.min(times.len() - 1)..].to_vec();
         steady.sort_by(f64::total_cmp);

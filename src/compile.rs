@@ -2,10 +2,11 @@
 
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
+use crate::inspect::Inspection;
 use crate::ir::{Fingerprint, Graph, InputKind, TensorType};
 use crate::passes::{dedup_outputs, simplify, OutputSource};
-use crate::runtime::exec::{Arg, Dest, Plan, Step};
-use crate::runtime::{Runtime, Stats};
+use crate::runtime::exec::{Arg, Dest, Plan, Step, Values};
+use crate::runtime::{DeviceOutputs, DeviceResult, Runtime, Stats};
 use crate::trace::{trace, var_input, Binding, Tensor, Traced};
 use parking_lot::{Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
@@ -153,6 +154,9 @@ impl<B: Backend> Clone for SharedFn<B> {
 /// What a call needs for one input signature: the plan, and where each result comes from.
 struct FnPlan<B: Backend> {
     plan: Plan<B>,
+    /// The same executable with the function's results left on the device: what `plan`
+    /// downloads as host value `k` is temporary `k` here.
+    device_plan: Plan<B>,
     results: Vec<ResultSource>,
     uses_rng: bool,
 }
@@ -160,7 +164,7 @@ struct FnPlan<B: Backend> {
 enum ResultSource {
     /// The caller's argument, returned unchanged (no transfer).
     Data(usize),
-    /// A value the plan downloads.
+    /// A value the plan downloads (host value `k`; temporary `k` of the device plan).
     Host(usize),
 }
 
@@ -277,6 +281,43 @@ impl<B: Backend> CompiledFn<B> {
         self.inner.run(inputs)
     }
 
+    /// Runs the function like [`CompiledFn::run`] but leaves its results on the device: no
+    /// download and no wait (the backend may still be computing them when this returns).
+    /// [`DeviceOutputs::to_host`] fetches them, [`DeviceOutputs::synchronize`] waits for them.
+    ///
+    /// A loop of N calls that fetches only the last results syncs once instead of N times;
+    /// the values are those [`CompiledFn::run`] returns. One case still goes through the host
+    /// on every call: a result that is also the new value of a variable the function assigns
+    /// (`v.assign(&y)?` and `y` returned) is copied, as the next call donates the variable's
+    /// buffer and the [`Backend`] trait has no device-to-device copy.
+    ///
+    /// ```no_run
+    /// # use kiln::backend::xla::XlaBackend;
+    /// # use kiln::nn::{Linear, Module, ParamStore};
+    /// # use kiln::{compile, Tensor};
+    /// # let store = ParamStore::new();
+    /// # let layer = Linear::new(&store.root().sub("fc"), 10, 10, true)?;
+    /// let f = compile(XlaBackend::new()?, move |xs: &[Tensor]| Ok(vec![layer.forward(&xs[0])?]));
+    /// let x = Tensor::randn(&[2, 10], 0)?;
+    /// let mut last = f.run_on_device(&[x.clone()])?;
+    /// for _ in 1..100 {
+    ///     last = f.run_on_device(&[x.clone()])?;
+    /// }
+    /// let y = last.to_host()?; // the one sync
+    /// # Ok::<(), kiln::Error>(())
+    /// ```
+    pub fn run_on_device(&self, inputs: &[Tensor]) -> Result<DeviceOutputs<'_, B>> {
+        self.inner.run_on_device(inputs)
+    }
+
+    /// Every stage of the program this function compiles for `inputs` (their dtypes and
+    /// shapes): the traced graph as text and DOT, and the backend's views (on XLA the StableHLO
+    /// kiln emitted and the plugin's optimized HLO). Traces and compiles if this signature has
+    /// not been yet; runs nothing. See [`crate::inspect`].
+    pub fn inspect(&self, inputs: &[Tensor]) -> Result<Inspection> {
+        self.inner.inspect(inputs)
+    }
+
     /// Copies variables updated on the device back into their [`crate::nn::ParamStore`].
     pub fn sync_to_store(&mut self) -> Result<()> {
         self.inner.rt.sync_to_store()
@@ -295,6 +336,17 @@ impl<B: Backend> SharedFn<B> {
     /// share.
     pub fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         self.inner.run(inputs)
+    }
+
+    /// Runs the function and leaves its results on the device; see
+    /// [`CompiledFn::run_on_device`].
+    pub fn run_on_device(&self, inputs: &[Tensor]) -> Result<DeviceOutputs<'_, B>> {
+        self.inner.run_on_device(inputs)
+    }
+
+    /// Every stage of the program compiled for `inputs`; see [`CompiledFn::inspect`].
+    pub fn inspect(&self, inputs: &[Tensor]) -> Result<Inspection> {
+        self.inner.inspect(inputs)
     }
 
     /// A snapshot of the counters (of all clones together).
@@ -411,6 +463,14 @@ impl<B: Backend> FnState<B> {
             results.push(result);
         }
         let num_hosts = routes.len();
+        // The device plan keeps each downloaded result as a temporary instead.
+        let mut device_routes: Vec<(OutputSource, Dest)> = routes
+            .iter()
+            .map(|&(src, dest)| match dest {
+                Dest::Host(k) => (src, Dest::Temp(k)),
+                other => (src, other),
+            })
+            .collect();
         for (var, out) in &p.state_updates {
             let src = *p.outputs.get(*out).ok_or_else(|| {
                 Error::Internal(format!(
@@ -418,34 +478,61 @@ impl<B: Backend> FnState<B> {
                     p.outputs.len()
                 ))
             })?;
-            routes.push((src, Dest::Var(self.rt.register(var)?)));
+            let dest = Dest::Var(self.rt.register(var)?);
+            routes.push((src, dest));
+            device_routes.push((src, dest));
         }
+        let graph = Arc::new(p.graph.clone());
+        let device_step = Step {
+            name: "function",
+            exe: exe.clone(),
+            args: args.clone(),
+            routes: device_routes,
+            graph: graph.clone(),
+            fingerprint: p.fingerprint,
+        };
         let step = Step {
             name: "function",
             exe,
             args,
             routes,
+            graph,
+            fingerprint: p.fingerprint,
         };
         Ok(FnPlan {
             plan: Plan::new(vec![step], 0, num_hosts)?,
+            device_plan: Plan::new(vec![device_step], num_hosts, 0)?,
             results,
             uses_rng,
         })
     }
 
-    fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        let signature: Vec<TensorType> = inputs.iter().map(|t| t.ty().clone()).collect();
+    /// Uploads `inputs` (and the random key) and runs the plan for their signature (the device
+    /// plan if `on_device`).
+    fn call(&self, inputs: &[Tensor], on_device: bool) -> Result<(Arc<FnPlan<B>>, Values<B>)> {
+        // On a data-parallel backend each replica's program sees its shard of every input.
+        let signature: Vec<TensorType> = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| self.rt.replica_type(i, t.ty()))
+            .collect::<Result<_>>()?;
         let p = self.plan(&signature)?;
         let mut data = Vec::with_capacity(inputs.len() + 1);
-        for t in inputs {
-            data.push(self.rt.upload_tensor(t)?);
+        for (i, t) in inputs.iter().enumerate() {
+            data.push(self.rt.upload_batch(i, t)?);
         }
         if p.uses_rng {
             let draw = self.draws.fetch_add(1, Ordering::Relaxed);
             let k = HostTensor::from_slice(&[2], &[self.seed, draw])?;
             data.push(self.rt.upload(&k)?);
         }
-        let values = self.rt.run_plan(&p.plan, &data)?;
+        let plan = if on_device { &p.device_plan } else { &p.plan };
+        let values = self.rt.run_plan(plan, &data)?;
+        Ok((p, values))
+    }
+
+    fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let (p, values) = self.call(inputs, false)?;
         let mut results = Vec::with_capacity(p.results.len());
         for r in &p.results {
             results.push(match *r {
@@ -461,5 +548,41 @@ impl<B: Backend> FnState<B> {
             });
         }
         Ok(results)
+    }
+
+    fn run_on_device(&self, inputs: &[Tensor]) -> Result<DeviceOutputs<'_, B>> {
+        let (p, values) = self.call(inputs, true)?;
+        let buffers = values
+            .temps
+            .into_iter()
+            .enumerate()
+            .map(|(k, b)| b.ok_or_else(|| Error::Internal(format!("result {k} not computed"))))
+            .collect::<Result<Vec<_>>>()?;
+        let results = p
+            .results
+            .iter()
+            .map(|r| match *r {
+                ResultSource::Data(d) => DeviceResult::Input(inputs[d].clone()),
+                ResultSource::Host(k) => DeviceResult::Buffer(k),
+            })
+            .collect();
+        Ok(DeviceOutputs::new(&self.rt, buffers, results))
+    }
+
+    fn inspect(&self, inputs: &[Tensor]) -> Result<Inspection> {
+        let signature: Vec<TensorType> = inputs.iter().map(|t| t.ty().clone()).collect();
+        let p = self.plan(&signature)?;
+        let step = p
+            .plan
+            .steps
+            .first()
+            .ok_or_else(|| Error::Internal("a function plan without a step".into()))?;
+        Ok(Inspection::new(
+            self.rt.backend(),
+            "function",
+            &step.graph,
+            step.fingerprint,
+            &step.exe,
+        ))
     }
 }

@@ -13,6 +13,8 @@
 //! - [`backend`]: the [`backend::Backend`] trait; `eager` (tch interpreter) and `xla` (PJRT);
 //!   [`backend::registry`] picks one by name (from configuration).
 //! - [`compile()`]: the entry point: trace once per input signature, compile, replay.
+//! - [`inspect`]: every stage of a compiled program as text (graph, DOT, StableHLO, optimized
+//!   HLO); `KILN_DUMP=DIR` writes them for every compile.
 //! - [`nn`]: modules, functional ops ([`nn::functional`]), the [`nn::ParamStore`] and
 //!   safetensors weights.
 //! - [`zoo`]: the benchmark's models (torchvision CNNs, BERT, ViT, LinearModel); the default
@@ -46,6 +48,7 @@ pub mod autograd;
 pub mod backend;
 pub mod compile;
 pub mod error;
+pub mod inspect;
 pub mod ir;
 pub mod nn;
 pub mod optim;

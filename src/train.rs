@@ -10,6 +10,19 @@
 //! key. Graphs update them as extra outputs whose inputs are donated, so a steady-state step
 //! transfers only the batch to the device and, when asked, the loss back. The stages run on the
 //! runtime's executor ([`crate::runtime`]), the same one [`crate::CompiledFn`] uses.
+//!
+//! # Data parallelism
+//!
+//! On a backend of N replicas ([`crate::backend::xla::XlaBackend::replicated`]) a step is
+//! data-parallel: every input is split along its first dimension into N equal shards (else an
+//! [`Error`]), each replica runs the step on its shard, and the gradients, the loss and the new
+//! values of the variables the loss function assigns (BatchNorm running statistics) are
+//! averaged across replicas inside the compiled graphs ([`crate::ir::Op::AllReduce`]), so every
+//! replica applies the same update and parameters and optimizer state stay identical (and
+//! resident, donated per device). For a loss that is a mean over the batch, N replicas on B
+//! rows each step exactly like one device on the N·B rows. BatchNorm normalizes with each
+//! replica's own batch statistics, as PyTorch's `DistributedDataParallel` does; dropout draws
+//! the same mask pattern on every replica.
 
 use crate::autograd::{joint, partition, BackwardInput, SavePolicy};
 use crate::backend::{Backend, HostTensor};
@@ -18,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::ir::{BinaryOp, DType, Fingerprint, Graph, InputKind, Literal, NodeId, Op, TensorType};
 use crate::nn::{Init, ParamStore};
 use crate::optim::Optimizer;
-use crate::passes::simplify;
+use crate::passes::{autocast_graph, simplify};
 use crate::runtime::exec::{Arg, Dest, Plan, PlanBuilder, StepBuilder, VarId};
 use crate::runtime::{ExecutableCache, Runtime, Stats};
 use crate::trace::{trace, Binding, Tensor, Traced};
@@ -26,6 +39,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 mod checkpoint;
+mod replicas;
+use replicas::replica_mean;
 
 /// How a training step is split into executables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -35,6 +50,46 @@ pub enum TrainMode {
     Split,
     /// One executable per step: forward, backward and update fused (XLA prefers one big graph).
     Fused,
+}
+
+/// Dynamic loss scaling for [`TrainStep::with_mixed_precision`] in `f16`, as PyTorch's
+/// `torch.cuda.amp.GradScaler` does it: the loss's cotangent seed is `scale` instead of 1, so
+/// small gradients survive f16's narrow exponent range (below 6e-8 they round to zero, below
+/// 6.1e-5 where subnormals are flushed, as on XLA:CPU); the
+/// optimizer update divides the gradients by `scale` first. If any gradient is inf or NaN (the
+/// scaled backward pass overflowed), the step is skipped (parameters, optimizer state and step
+/// count unchanged) and the scale is multiplied by `backoff_factor`; after `growth_interval`
+/// good steps in a row it is multiplied by `growth_factor`. The check, the skip and the scale
+/// update are part of the compiled step: no host synchronisation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossScaling {
+    /// The first scale (PyTorch: 2^16).
+    pub init_scale: f64,
+    /// Multiplier after `growth_interval` good steps (PyTorch: 2).
+    pub growth_factor: f64,
+    /// Multiplier after an overflow (PyTorch: 0.5).
+    pub backoff_factor: f64,
+    /// Good steps in a row before growing (PyTorch: 2000).
+    pub growth_interval: u32,
+}
+
+impl Default for LossScaling {
+    fn default() -> Self {
+        LossScaling {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+        }
+    }
+}
+
+/// Resident variables of loss scaling (f32 scalars).
+struct Scaler {
+    cfg: LossScaling,
+    scale: Tensor,
+    good: Tensor,
+    skipped: Tensor,
 }
 
 /// The compiled stages of one traced loss, and which temporary holds the loss.
@@ -116,6 +171,9 @@ pub struct TrainStep<B: Backend> {
     /// The last step's program and its per-step device values (the loss among them).
     last: Option<(usize, Vec<Option<B::Buffer>>)>,
     steps: u64,
+    /// The compute dtype of mixed-precision training (`None`: the model's own dtypes).
+    mixed: Option<DType>,
+    scaler: Option<Scaler>,
 }
 
 impl<B: Backend> TrainStep<B> {
@@ -161,7 +219,113 @@ impl<B: Backend> TrainStep<B> {
             by_fingerprint: HashMap::new(),
             last: None,
             steps: 0,
+            mixed: None,
+            scaler: None,
         })
+    }
+
+    /// Mixed-precision training: matrix products and convolutions (forward and backward) run
+    /// in `dtype` (`BF16` or `F16`) while the parameters, their gradients as the optimizer sees
+    /// them, the optimizer state and the buffers stay `f32` and resident ("master weights").
+    /// The traced loss graph is cast as PyTorch's autocast casts
+    /// ([`crate::passes::autocast_graph`]): each product or convolution converts its `f32`
+    /// operands (parameters among them) to `dtype` where it reads them; sums, `exp`, `log`,
+    /// `log1p`, `rsqrt` and `pow` (so softmax, cross-entropy and normalisation statistics) run
+    /// in `f32`; other ops follow their operands. The gradient of each conversion brings the
+    /// parameters' gradients back to `f32`.
+    ///
+    /// For `F16` this also turns on dynamic [`LossScaling`] with PyTorch's defaults (replace
+    /// them with [`TrainStep::with_loss_scaling`]); bf16 has f32's exponent range and needs
+    /// none. Call before the first step.
+    pub fn with_mixed_precision(mut self, dtype: DType) -> Result<Self> {
+        if !dtype.is_half() {
+            return Err(Error::Invalid(format!(
+                "with_mixed_precision: the compute dtype must be bf16 or f16, got {dtype}"
+            )));
+        }
+        if !self.programs.is_empty() {
+            return Err(Error::Invalid(
+                "with_mixed_precision must be called before the first step".into(),
+            ));
+        }
+        self.mixed = Some(dtype);
+        if dtype == DType::F16 && self.scaler.is_none() {
+            self = self.with_loss_scaling(LossScaling::default())?;
+        }
+        Ok(self)
+    }
+
+    /// Dynamic loss scaling (see [`LossScaling`]); normally set by
+    /// [`TrainStep::with_mixed_precision`] for f16, usable with any dtype. Call before the
+    /// first step.
+    pub fn with_loss_scaling(mut self, cfg: LossScaling) -> Result<Self> {
+        if !self.programs.is_empty() {
+            return Err(Error::Invalid(
+                "with_loss_scaling must be called before the first step".into(),
+            ));
+        }
+        let valid = (cfg.init_scale as f32).is_finite()
+            && cfg.init_scale > 0.0
+            && cfg.growth_factor.is_finite()
+            && cfg.growth_factor >= 1.0
+            && cfg.backoff_factor > 0.0
+            && cfg.backoff_factor < 1.0
+            && cfg.growth_interval > 0;
+        if !valid {
+            return Err(Error::Invalid(format!(
+                "with_loss_scaling: {cfg:?}: need 0 < init_scale < f32::MAX, growth_factor >= 1, \
+                 0 < backoff_factor < 1 and growth_interval >= 1"
+            )));
+        }
+        let root = self.state.root().sub("loss_scaling");
+        let f = DType::F32;
+        let (scale, good, skipped) = match self.scaler.take() {
+            Some(old) => {
+                let h = HostTensor::from_slice(&[], &[cfg.init_scale as f32])?;
+                old.scale.assign(&Tensor::from_host(&h)?)?;
+                (old.scale, old.good, old.skipped)
+            }
+            None => (
+                root.buffer("scale", &[], Init::Const(cfg.init_scale), f)?,
+                root.buffer("good_steps", &[], Init::Const(0.0), f)?,
+                root.buffer("skipped_steps", &[], Init::Const(0.0), f)?,
+            ),
+        };
+        self.scaler = Some(Scaler {
+            cfg,
+            scale,
+            good,
+            skipped,
+        });
+        Ok(self)
+    }
+
+    /// The compute dtype of mixed-precision training, if on.
+    pub fn mixed_precision(&self) -> Option<DType> {
+        self.mixed
+    }
+
+    /// The current loss scale, if loss scaling is on (reads the device value: one sync).
+    pub fn loss_scale(&self) -> Result<Option<f64>> {
+        self.scaler_value(|s| &s.scale)
+    }
+
+    /// How many steps loss scaling has skipped because of inf/NaN gradients (one sync).
+    pub fn skipped_steps(&self) -> Result<Option<u64>> {
+        Ok(self.scaler_value(|s| &s.skipped)?.map(|v| v as u64))
+    }
+
+    fn scaler_value(&self, which: impl Fn(&Scaler) -> &Tensor) -> Result<Option<f64>> {
+        let Some(sc) = &self.scaler else {
+            return Ok(None);
+        };
+        let t = which(sc);
+        // Resident after the first step; before it, the store holds the value.
+        let h = match self.rt.read_var(t) {
+            Ok(h) => h,
+            Err(_) => t.to_host()?,
+        };
+        Ok(Some(h.to_f64_vec()[0]))
     }
 
     /// Uses `cache` for executables (e.g. an on-disk [`ExecutableCache::with_dir`], or one shared
@@ -252,7 +416,12 @@ impl<B: Backend> TrainStep<B> {
 
     /// Runs one step without waiting for it.
     pub fn step_async(&mut self, inputs: &[Tensor]) -> Result<()> {
-        let signature: Vec<TensorType> = inputs.iter().map(|t| t.ty().clone()).collect();
+        // On a data-parallel backend each replica's program sees its shard of every input.
+        let signature: Vec<TensorType> = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| self.rt.replica_type(i, t.ty()))
+            .collect::<Result<_>>()?;
         let program = self.program(&signature)?;
         if self.lr_uploaded != Some(self.lr) {
             let lr = HostTensor::from_slice(&[], &[self.lr])?;
@@ -261,7 +430,8 @@ impl<B: Backend> TrainStep<B> {
         }
         let data: Vec<B::Buffer> = inputs
             .iter()
-            .map(|t| self.rt.upload_tensor(t))
+            .enumerate()
+            .map(|(i, t)| self.rt.upload_batch(i, t))
             .collect::<Result<_>>()?;
         // The previous step's values are no longer needed: free them before this step runs.
         self.last = None;
@@ -299,6 +469,24 @@ impl<B: Backend> TrainStep<B> {
             }
         }
         self.rt.synchronize()
+    }
+
+    /// Every stage of each program a step on `inputs` (their dtypes and shapes) runs, in
+    /// order: `forward`, `backward`, `optimizer` ([`TrainMode::Split`]) or `fused`. Traces,
+    /// differentiates and compiles if this signature has not been yet; runs nothing. See
+    /// [`crate::inspect`].
+    pub fn inspect(&mut self, inputs: &[Tensor]) -> Result<Vec<crate::inspect::Inspection>> {
+        let signature: Vec<TensorType> = inputs.iter().map(|t| t.ty().clone()).collect();
+        let p = self.program(&signature)?;
+        let backend = self.rt.backend();
+        Ok(self.programs[p]
+            .plan
+            .steps
+            .iter()
+            .map(|s| {
+                crate::inspect::Inspection::new(backend, s.name, &s.graph, s.fingerprint, &s.exe)
+            })
+            .collect())
     }
 
     /// Copies parameters, buffers and optimizer state updated on the device back to their
@@ -344,6 +532,8 @@ impl<B: Backend> TrainStep<B> {
             h.update(&var.variable().map(|v| v.id).unwrap_or(0).to_le_bytes());
         }
         h.update(&[self.mode as u8]);
+        h.update(format!("{:?}", self.mixed).as_bytes());
+        h.update(format!("{:?}", self.scaler.as_ref().map(|s| s.cfg)).as_bytes());
         let fp = Fingerprint(*h.finalize().as_bytes());
         self.rt.metrics().traced(t0.elapsed());
         if let Some(&p) = self.by_fingerprint.get(&fp) {
@@ -477,6 +667,10 @@ impl<B: Backend> TrainStep<B> {
             updates.push(id);
         }
         let wrt: Vec<usize> = params.iter().map(|p| p.0).collect();
+        let graph = match self.mixed {
+            Some(dt) => autocast_graph(&graph, DType::F32, dt)?,
+            None => graph,
+        };
         Ok(Differentiated {
             joint: joint(&graph, 0, &wrt)?,
             num_inputs: graph.inputs().len(),
@@ -498,13 +692,39 @@ impl<B: Backend> TrainStep<B> {
     ) -> Result<()> {
         let n_in = d.num_inputs;
         let mut g = d.joint;
-        // The cotangent of the loss is 1: a constant, not an input.
-        let cot = g.inputs()[n_in].node;
-        let one = g.add(Op::Constant(Literal::scalar(d.loss_dtype, 1.0)), &[])?;
-        g.replace_uses(cot, one)?;
-        g.retain_inputs(|i, _| i != n_in)?;
-        let outs: Vec<NodeId> = g.outputs().to_vec();
-        let mut s = StepBuilder::new("fused", g, d.args)?;
+        let mut args = d.args;
+        let scale_var = match &self.scaler {
+            Some(sc) => Some(self.rt.register(&sc.scale)?),
+            None => None,
+        };
+        match scale_var {
+            // The cotangent of the loss is the loss scale, a resident variable.
+            Some(v) if d.loss_dtype == DType::F32 => args.push(Arg::Var(v)),
+            Some(_) => {
+                return Err(Error::Invalid(format!(
+                    "loss scaling needs an f32 loss, got {}",
+                    d.loss_dtype
+                )))
+            }
+            None => {
+                // The cotangent of the loss is 1: a constant, not an input.
+                let cot = g.inputs()[n_in].node;
+                let one = g.add(Op::Constant(Literal::scalar(d.loss_dtype, 1.0)), &[])?;
+                g.replace_uses(cot, one)?;
+                g.retain_inputs(|i, _| i != n_in)?;
+            }
+        }
+        // Data-parallel: the loss, the assigned variables and the gradients are averaged over
+        // the replicas (an all-reduce), so every replica applies the same update.
+        let n = self.rt.backend().replicas();
+        let outs: Vec<NodeId> = g
+            .outputs()
+            .to_vec()
+            .into_iter()
+            .map(|o| replica_mean(&mut g, o, n))
+            .collect::<Result<_>>()?;
+        let mut s = StepBuilder::new("fused", g, args)?;
+        let scale_node = scale_var.map(|_| s.input_node(n_in));
         s.output(outs[0], Dest::Temp(loss_temp));
         for (k, &var) in d.updates.iter().enumerate() {
             s.update(outs[1 + k], var)?;
@@ -514,7 +734,7 @@ impl<B: Backend> TrainStep<B> {
             .iter()
             .map(|(i, t)| (s.input_node(*i), t.clone()))
             .collect();
-        self.add_updates(&mut s, &params, &outs[1 + d.updates.len()..])?;
+        self.add_updates(&mut s, &params, &outs[1 + d.updates.len()..], scale_node)?;
         if let Some(ri) = d.rng_input {
             advance_key(&mut s, ri, d.key_var)?;
         }
@@ -532,8 +752,15 @@ impl<B: Backend> TrainStep<B> {
         let n_out = 1 + d.updates.len();
         let split = partition(&d.joint, d.num_inputs, n_out, self.policy)?;
         // Forward: the loss, the assigned variables' new values, the saved values.
-        let f_outs: Vec<NodeId> = split.forward.outputs().to_vec();
+        let replicas = self.rt.backend().replicas();
+        let local_outs: Vec<NodeId> = split.forward.outputs().to_vec();
         let mut fwd = StepBuilder::new("forward", split.forward, d.args.clone())?;
+        // Data-parallel: the loss and the assigned variables are averaged over the replicas;
+        // the saved values stay each replica's own.
+        let mut f_outs = local_outs.clone();
+        for o in &mut f_outs[..n_out] {
+            *o = replica_mean(fwd.graph(), *o, replicas)?;
+        }
         fwd.output(f_outs[0], Dest::Temp(loss_temp));
         let mut forward_value: Vec<Arg> = vec![Arg::Temp(loss_temp)];
         for (k, &var) in d.updates.iter().enumerate() {
@@ -549,11 +776,27 @@ impl<B: Backend> TrainStep<B> {
             advance_key(&mut fwd, ri, d.key_var)?;
         }
         // Backward: saved values, forward inputs, the cotangent -> gradients.
-        let one = self.one(d.loss_dtype)?;
+        let one = match &self.scaler {
+            Some(sc) if d.loss_dtype == DType::F32 => sc.scale.clone(),
+            Some(_) => {
+                return Err(Error::Invalid(format!(
+                    "loss scaling needs an f32 loss, got {}",
+                    d.loss_dtype
+                )))
+            }
+            None => self.one(d.loss_dtype)?,
+        };
         let one = Arg::Var(self.rt.register(&one)?);
         let mut b_args = Vec::with_capacity(split.backward_inputs.len());
         for bi in &split.backward_inputs {
             b_args.push(match *bi {
+                // The backward step differentiates this replica's loss: it reads the replica's
+                // own values, not their averages.
+                BackwardInput::Saved(k) if k < n_out && f_outs[k] != local_outs[k] => {
+                    let t = plan.temp();
+                    fwd.output(local_outs[k], Dest::Temp(t));
+                    Arg::Temp(t)
+                }
                 BackwardInput::Saved(k) => forward_value[k],
                 // A variable the forward step replaces: the backward step needs the value the
                 // forward step read, so the forward step hands on a copy.
@@ -573,6 +816,11 @@ impl<B: Backend> TrainStep<B> {
         let grads: Vec<usize> = d.params.iter().map(|_| plan.temp()).collect();
         let b_outs: Vec<NodeId> = split.backward.outputs().to_vec();
         let mut bwd = StepBuilder::new("backward", split.backward, b_args)?;
+        // Data-parallel: the gradients are averaged over the replicas.
+        let b_outs: Vec<NodeId> = b_outs
+            .into_iter()
+            .map(|o| replica_mean(bwd.graph(), o, replicas))
+            .collect::<Result<_>>()?;
         for (&node, &t) in b_outs.iter().zip(&grads) {
             bwd.output(node, Dest::Temp(t));
         }
@@ -594,19 +842,22 @@ impl<B: Backend> TrainStep<B> {
             params.push((pn, t.clone()));
             grad_nodes.push(gn);
         }
-        self.add_updates(&mut s, &params, &grad_nodes)?;
+        self.add_updates(&mut s, &params, &grad_nodes, None)?;
         plan.push(s.finish(&self.rt)?);
         Ok(())
     }
 
     /// Adds the optimizer update of every parameter (`params`: its node in the step's graph
     /// and its variable, `grads`: its gradient's node) to `s`, with the step count and learning
-    /// rate as resident inputs.
+    /// rate as resident inputs. With loss scaling, the gradients are unscaled first and the
+    /// update is skipped on inf/NaN (`scale_node`: the step's input holding the loss scale, if
+    /// it has one already).
     fn add_updates(
         &mut self,
         s: &mut StepBuilder,
         params: &[(NodeId, Tensor)],
         grads: &[NodeId],
+        scale_node: Option<NodeId>,
     ) -> Result<()> {
         let scalar = TensorType::scalar(DType::F64);
         let lr_id = self.rt.register(&self.lr_var)?;
@@ -617,8 +868,23 @@ impl<B: Backend> TrainStep<B> {
             .graph()
             .add(Op::Constant(Literal::scalar(DType::F64, 1.0)), &[])?;
         let step = s.graph().add(Op::Binary(BinaryOp::Add), &[step_in, one])?;
-        s.update(step, step_id)?;
-        for ((pn, pt), &gn) in params.iter().zip(grads) {
+        let scaled = match &self.scaler {
+            Some(_) => Some(self.unscale(s, grads, scale_node)?),
+            None => None,
+        };
+        let grads: Vec<NodeId> = match &scaled {
+            Some((_, g)) => g.clone(),
+            None => grads.to_vec(),
+        };
+        let keep = |s: &mut StepBuilder, new: NodeId, old: NodeId| -> Result<NodeId> {
+            match &scaled {
+                Some((ok, _)) => select_if(s.graph(), *ok, new, old),
+                None => Ok(new),
+            }
+        };
+        let step_kept = keep(s, step, step_in)?;
+        s.update(step_kept, step_id)?;
+        for ((pn, pt), &gn) in params.iter().zip(&grads) {
             let state = self.state_for(pt)?;
             let mut state_nodes = Vec::with_capacity(state.len());
             let mut state_ids = Vec::with_capacity(state.len());
@@ -635,13 +901,140 @@ impl<B: Backend> TrainStep<B> {
             let (new_p, new_s) = self
                 .opt
                 .update(s.graph(), *pn, gn, &state_nodes, lr, step)?;
+            let new_p = keep(s, new_p, *pn)?;
             s.update(new_p, self.rt.register(pt)?)?;
-            for (ns, id) in new_s.into_iter().zip(state_ids) {
+            for ((ns, id), &old) in new_s.into_iter().zip(state_ids).zip(&state_nodes) {
+                let ns = keep(s, ns, old)?;
                 s.update(ns, id)?;
             }
         }
         Ok(())
     }
+
+    /// Loss scaling in the optimizer graph: returns `(ok, unscaled gradients)`, where `ok` is
+    /// a bool scalar, true when every gradient is finite, and updates the scale, the good-step
+    /// count and the skipped-step count (see [`LossScaling`]).
+    fn unscale(
+        &mut self,
+        s: &mut StepBuilder,
+        grads: &[NodeId],
+        scale_node: Option<NodeId>,
+    ) -> Result<(NodeId, Vec<NodeId>)> {
+        let sc = self
+            .scaler
+            .as_ref()
+            .ok_or_else(|| Error::Internal("unscale without loss scaling".into()))?;
+        let cfg = sc.cfg;
+        let (scale_t, good_t, skipped_t) = (sc.scale.clone(), sc.good.clone(), sc.skipped.clone());
+        let f = TensorType::scalar(DType::F32);
+        let scale_id = self.rt.register(&scale_t)?;
+        let good_id = self.rt.register(&good_t)?;
+        let skipped_id = self.rt.register(&skipped_t)?;
+        let scale = match scale_node {
+            Some(n) => n,
+            None => s.input(
+                InputKind::OptimizerState,
+                "loss_scale",
+                f.clone(),
+                Arg::Var(scale_id),
+            ),
+        };
+        let good = s.input(
+            InputKind::OptimizerState,
+            "good_steps",
+            f.clone(),
+            Arg::Var(good_id),
+        );
+        let skipped = s.input(
+            InputKind::OptimizerState,
+            "skipped_steps",
+            f,
+            Arg::Var(skipped_id),
+        );
+        let g = s.graph();
+        let c = |g: &mut Graph, v: f64| g.add(Op::Constant(Literal::scalar(DType::F32, v)), &[]);
+        let bin = |g: &mut Graph, b: BinaryOp, x: NodeId, y: NodeId| g.add(Op::Binary(b), &[x, y]);
+        let one = c(g, 1.0)?;
+        let inv = bin(g, BinaryOp::Div, one, scale)?;
+        // Σ sum(g · 0) is 0 when every gradient is finite and NaN otherwise (inf · 0 = NaN).
+        let mut bad = c(g, 0.0)?;
+        let mut unscaled = Vec::with_capacity(grads.len());
+        for &gn in grads {
+            let ty = g.node(gn).ty.clone();
+            let inv_d = if ty.dtype == DType::F32 {
+                inv
+            } else {
+                g.add(Op::Convert(ty.dtype), &[inv])?
+            };
+            let inv_b = broadcast_scalar(g, inv_d, &ty)?;
+            unscaled.push(bin(g, BinaryOp::Mul, gn, inv_b)?);
+            let zero = g.add(Op::Constant(Literal::scalar(ty.dtype, 0.0)), &[])?;
+            let zero = broadcast_scalar(g, zero, &ty)?;
+            let z = bin(g, BinaryOp::Mul, gn, zero)?;
+            let axes: Vec<usize> = (0..ty.shape.rank()).collect();
+            let z = g.add(
+                Op::Reduce {
+                    kind: crate::ir::ReduceKind::Sum,
+                    axes,
+                },
+                &[z],
+            )?;
+            let z = if ty.dtype == DType::F32 {
+                z
+            } else {
+                g.add(Op::Convert(DType::F32), &[z])?
+            };
+            bad = bin(g, BinaryOp::Add, bad, z)?;
+        }
+        let zero = c(g, 0.0)?;
+        let ok = g.add(Op::Compare(crate::ir::CompareOp::Eq), &[bad, zero])?;
+        // Scale and counters.
+        let good1 = bin(g, BinaryOp::Add, good, one)?;
+        let interval = c(g, cfg.growth_interval as f64)?;
+        let due = g.add(Op::Compare(crate::ir::CompareOp::Ge), &[good1, interval])?;
+        let gf = c(g, cfg.growth_factor)?;
+        let bf = c(g, cfg.backoff_factor)?;
+        let grown = bin(g, BinaryOp::Mul, scale, gf)?;
+        // Never grow to inf (with all-zero gradients nothing overflows): an infinite scale
+        // would make every later step overflow and never back off.
+        let max = c(g, f32::MAX as f64)?;
+        let finite = g.add(Op::Compare(crate::ir::CompareOp::Le), &[grown, max])?;
+        let grow = bin(g, BinaryOp::And, ok, due)?;
+        let grow = bin(g, BinaryOp::And, grow, finite)?;
+        let backed = bin(g, BinaryOp::Mul, scale, bf)?;
+        let kept = select_if(g, grow, grown, scale)?;
+        let new_scale = select_if(g, ok, kept, backed)?;
+        let zero_g = c(g, 0.0)?;
+        let good_next = select_if(g, grow, zero_g, good1)?;
+        let new_good = select_if(g, ok, good_next, zero_g)?;
+        let skipped1 = bin(g, BinaryOp::Add, skipped, one)?;
+        let new_skipped = select_if(g, ok, skipped, skipped1)?;
+        s.update(new_scale, scale_id)?;
+        s.update(new_good, good_id)?;
+        s.update(new_skipped, skipped_id)?;
+        Ok((ok, unscaled))
+    }
+}
+
+/// `x` (a scalar) broadcast to `ty`'s shape.
+fn broadcast_scalar(g: &mut Graph, x: NodeId, ty: &TensorType) -> Result<NodeId> {
+    if ty.shape.rank() == 0 {
+        return Ok(x);
+    }
+    g.add(
+        Op::Broadcast {
+            shape: ty.shape.clone(),
+            dims: Vec::new(),
+        },
+        &[x],
+    )
+}
+
+/// `ok ? new : old` for a bool scalar `ok`.
+fn select_if(g: &mut Graph, ok: NodeId, new: NodeId, old: NodeId) -> Result<NodeId> {
+    let ty = g.node(new).ty.clone();
+    let p = broadcast_scalar(g, ok, &ty.with_dtype(DType::Bool))?;
+    g.add(Op::Select, &[p, new, old])
 }
 
 fn name_of(t: &Tensor) -> String {

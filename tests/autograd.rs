@@ -242,6 +242,123 @@ fn check_all(group: &str, cases: Vec<Case>) {
         errs.tch,
         errs.xla
     );
+    for d in [DType::BF16, DType::F16] {
+        check_half(group, &cases, d);
+    }
+}
+
+// ----- the same VJPs in bf16 / f16 ------------------------------------------------------------
+//
+// Each case is rounded to the 16-bit dtype (inputs and `r`) and differentiated there, on the
+// eager interpreter and on XLA; the float64 gradients of the same rounded values are the
+// reference, and libtorch's autograd in the 16-bit dtype (through the eager op definitions)
+// measures what the dtype allows. Rule, normwise per gradient:
+//     max |ours - ref| <= 8 * max(max |libtorch - ref|, u * max |ref|, tiny)
+// with u the unit roundoff (2^-8 bf16, 2^-11 f16) and tiny the smallest normal number: an
+// op's VJP here is a chain of up to a few primitive ops (tanh' = 1 - y², erf' = 2/√π·e^(-x²),
+// ...), each rounding once to the dtype, where libtorch's fused backward kernels round once;
+// 8 allows that chain. Finite differences are meaningless at 8 significant bits and are not
+// used. Cases whose graph does not build in the dtype (f64-only constants) are skipped.
+
+fn round_to(h: &HostTensor, d: DType) -> HostTensor {
+    if h.ty().dtype.is_float() {
+        let mut v = h.to_f64_vec().into_iter();
+        floats(h.ty().shape.dims(), d, move || v.next().unwrap())
+    } else {
+        h.clone()
+    }
+}
+
+/// `sum(build(inputs) * r)` over `inputs`' types; `None` if the case does not build there.
+fn half_loss_graph(c: &Case, inputs: &[HostTensor]) -> Option<(Graph, TensorType)> {
+    let mut g = Graph::new();
+    let ids: Vec<NodeId> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, h)| g.add_input(InputKind::Data, format!("in{i}"), h.ty().clone()))
+        .collect();
+    let y = (c.build)(&mut g, &ids).ok()?;
+    let yt = g.node(y).ty.clone();
+    if !yt.dtype.is_float() {
+        return None;
+    }
+    let r = g.add_input(InputKind::Data, "r", yt.clone());
+    let mut b = Builder::new(&mut g);
+    let p = b.mul(y, r).ok()?;
+    let l = b.sum_all(p).ok()?;
+    g.set_outputs(vec![l]).ok()?;
+    Some((g, yt))
+}
+
+fn check_half(group: &str, cases: &[Case], d: DType) {
+    let u = d.epsilon().unwrap() / 2.0;
+    let tiny = if d == DType::F16 {
+        2f64.powi(-14)
+    } else {
+        f32::MIN_POSITIVE as f64
+    };
+    let (mut ours_worst, mut torch_worst, mut checked) = (0.0f64, 0.0f64, 0);
+    for (k, c) in cases.iter().enumerate() {
+        let ins: Vec<HostTensor> = c.inputs.iter().map(|h| round_to(h, d)).collect();
+        let Some((g, yt)) = half_loss_graph(c, &ins) else {
+            continue;
+        };
+        let mut ins = ins;
+        ins.push(round_to(&randn(yt.shape.dims(), 1000 + k as u64), yt.dtype));
+        // The float64 twin on the same (exactly representable) values.
+        let ins64: Vec<HostTensor> = ins.iter().map(|h| round_to(h, DType::F64)).collect();
+        let (g64, _) = half_loss_graph(c, &ins64[..c.inputs.len()])
+            .unwrap_or_else(|| panic!("{}: the f64 graph", c.name));
+        let seed = |dt: DType| round_to(&HostTensor::from_slice(&[], &[1.0f64]).unwrap(), dt);
+        let j64 = joint(&g64, 0, &c.wrt).unwrap();
+        let mut jin64 = ins64.clone();
+        jin64.push(seed(DType::F64));
+        let reference = run(&EagerBackend::new(), &j64, &jin64);
+        let j = joint(&g, 0, &c.wrt).unwrap_or_else(|e| panic!("{} {d}: joint: {e}", c.name));
+        let mut jin = ins.clone();
+        jin.push(seed(yt.dtype));
+        let eager = run(&EagerBackend::new(), &j, &jin);
+        let xla_out = run(xla(), &j, &jin);
+        let tch = tch_grads(&g, &ins, &c.wrt);
+        for (n, &i) in c.wrt.iter().enumerate() {
+            let r = reference[1 + n].to_f64_vec();
+            let dist = |h: &HostTensor| {
+                h.to_f64_vec()
+                    .iter()
+                    .zip(&r)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(
+                        0.0f64,
+                        |m, e| if e.is_nan() { f64::INFINITY } else { m.max(e) },
+                    )
+            };
+            let scale = r.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            let e_tch = if c.no_tch.contains(&i) {
+                0.0
+            } else {
+                dist(&tch[n])
+            };
+            let bound = 8.0 * e_tch.max(u * scale).max(tiny);
+            for (backend, got) in [("eager", &eager[1 + n]), ("xla", &xla_out[1 + n])] {
+                assert_eq!(got.ty(), ins[i].ty(), "{} {d}: gradient type", c.name);
+                let e = dist(got);
+                assert!(
+                    e <= bound,
+                    "{} {d} [{backend}]: d/d in{i}: max error {e:.3e} vs float64, libtorch's \
+                     {e_tch:.3e}, bound {bound:.3e}\nours {got:?}\nref  {:?}",
+                    c.name,
+                    reference[1 + n]
+                );
+                ours_worst = ours_worst.max(e / scale.max(tiny));
+            }
+            torch_worst = torch_worst.max(e_tch / scale.max(tiny));
+        }
+        checked += 1;
+    }
+    eprintln!(
+        "[{group}] {d}: {checked} of {} cases: max error relative to max |grad|: kiln {ours_worst:.2e}, libtorch {torch_worst:.2e}",
+        cases.len()
+    );
 }
 
 fn t64(shape: &[usize]) -> TensorType {
@@ -693,6 +810,17 @@ fn vjp_reductions() {
         ),
     ];
     check_all("reduce", cases);
+    // A single replica's all-reduce is the identity; so is its gradient (the multi-replica
+    // meaning is checked in tests/data_parallel.rs).
+    check_all(
+        "all_reduce",
+        vec![Case::new(
+            "all_reduce sum, one replica",
+            vec![randn(&[3, 4], 5)],
+            &[0],
+            op1(Op::AllReduce(ReduceKind::Sum)),
+        )],
+    );
 }
 
 fn window(w: &[usize], s: &[usize], p: &[(usize, usize)]) -> WindowAttrs {

@@ -7,18 +7,15 @@
 //! error plus a floor: both are float32 computations of the same sums, in different orders.
 //! f64 cases must agree with the float64 reference to 1e-12 (relative to the largest value).
 
+mod common;
+
+use common::{floats, run, xla, SplitMix64};
 use kiln::autograd::vjp;
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::kernels::{CONV_TARGET, DOT_TARGET};
 use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{ConvAttrs, DType, DotDims, Graph, InputKind, Op, TensorType};
-use std::sync::OnceLock;
-
-fn xla() -> &'static XlaBackend {
-    static X: OnceLock<XlaBackend> = OnceLock::new();
-    X.get_or_init(|| XlaBackend::new().expect("the PJRT CPU plugin (run scripts/bootstrap.sh)"))
-}
 
 fn native() -> XlaBackend {
     xla().with_options(XlaOptions::plain())
@@ -30,34 +27,10 @@ fn ffi() -> XlaBackend {
     b
 }
 
-fn run<B: Backend>(b: &B, g: &Graph, inputs: &[HostTensor]) -> Vec<HostTensor> {
-    let exe = b.compile(g).unwrap_or_else(|e| panic!("compile: {e}"));
-    let bufs: Vec<B::Buffer> = inputs.iter().map(|h| b.to_device(h).unwrap()).collect();
-    let refs: Vec<&B::Buffer> = bufs.iter().collect();
-    let outs = b
-        .execute(&exe, &refs)
-        .unwrap_or_else(|e| panic!("execute: {e}"));
-    outs.iter().map(|o| b.to_host(o).unwrap()).collect()
-}
-
 /// Seeded uniform values in [-1, 1).
 fn random(ty: &TensorType, seed: u64) -> HostTensor {
-    let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let v: Vec<f64> = (0..ty.shape.numel())
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-        })
-        .collect();
-    match ty.dtype {
-        DType::F32 => {
-            let f: Vec<f32> = v.iter().map(|&a| a as f32).collect();
-            HostTensor::from_slice(ty.shape.dims(), &f).unwrap()
-        }
-        _ => HostTensor::from_slice(ty.shape.dims(), &v).unwrap(),
-    }
+    let mut r = SplitMix64::mixed(seed);
+    floats(ty.shape.dims(), ty.dtype, || r.uniform() * 2.0 - 1.0)
 }
 
 fn to_f64(h: &HostTensor) -> HostTensor {
@@ -497,5 +470,60 @@ fn wrong_result_shape_is_an_error_with_a_message() {
     assert!(
         e.contains(CONV_TARGET) && e.contains("[1, 3, 3, 3]") && e.contains("[1, 3, 4, 4]"),
         "{e}"
+    );
+}
+
+/// The default options send the input gradient of a large convolution to the kernel and never
+/// rewrite it to im2col, while forward convolutions follow the conv rule (im2col here): the
+/// forward one of the same shapes, and a small one.
+#[test]
+fn kernels_take_precedence_over_im2col() {
+    // The rule's choices (also when the suite runs with KILN_AUTOTUNE=on).
+    let b =
+        &xla().with_options(XlaOptions::default().autotune(kiln::backend::xla::Autotune::off()));
+    assert_eq!(b.options().ffi, FfiMode::Auto);
+    let mut c = ConvAttrs::plain(2);
+    c.padding = vec![(1, 1), (1, 1)];
+    // 3x3 512 -> 512 on 2x2 (75 MFLOP): im2col by the conv rule.
+    let xt = TensorType::new(DType::F32, [4, 512, 2, 2]);
+    let kt = TensorType::new(DType::F32, [512, 512, 3, 3]);
+    let big = conv_graph(&c, &xt, &kt);
+    let text = b.lower(&big).unwrap();
+    assert!(
+        !text.contains(CONV_TARGET) && !text.contains("stablehlo.convolution"),
+        "{text}"
+    );
+    // Its input gradient: the kernel, reading the forward weight (form 1), not rewritten.
+    let mut g = Graph::new();
+    let x = g.add_input(InputKind::Data, "x", xt.clone());
+    let w = g.add_input(InputKind::Parameter, "w", kt.clone());
+    let y = g.add(Op::Conv(c.clone()), &[x, w]).unwrap();
+    let yt = g.node(y).ty.clone();
+    let ct = g.add_input(InputKind::Cotangent, "ct", yt);
+    let grads = vjp(&mut g, y, ct, &[true, false]).unwrap();
+    g.set_outputs(vec![grads[0].unwrap()]).unwrap();
+    let mut rewritten = g.clone();
+    b.rewrite(&mut rewritten).unwrap();
+    assert!(rewritten
+        .topo_order()
+        .iter()
+        .any(|&n| matches!(rewritten.node(n).op, Op::Conv(_))));
+    let text = b.lower(&g).unwrap();
+    assert!(
+        text.contains(CONV_TARGET) && text.contains("form = 1"),
+        "{text}"
+    );
+    // 3x3 64 -> 64 on 2x2 (1.2 MFLOP): im2col (whose product may then go to the dot kernel).
+    let small = conv_graph(
+        &c,
+        &TensorType::new(DType::F32, [4, 64, 2, 2]),
+        &TensorType::new(DType::F32, [64, 64, 3, 3]),
+    );
+    let text = b.lower(&small).unwrap();
+    assert!(
+        !text.contains(CONV_TARGET)
+            && !text.contains("stablehlo.convolution")
+            && (text.contains("dot_general") || text.contains(DOT_TARGET)),
+        "{text}"
     );
 }

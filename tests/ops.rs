@@ -18,7 +18,7 @@
 mod common;
 
 use common::{floats, host, numel, run_graph, xla, SplitMix64};
-use kiln::backend::eager::EagerBackend;
+use kiln::backend::eager::{kind_of, EagerBackend};
 use kiln::backend::HostTensor;
 use kiln::ir::{
     BinaryOp, CompareOp, ConvAttrs, DType, DotDims, Graph, InputKind, Literal, Op, ReduceKind,
@@ -62,6 +62,9 @@ fn default_tol(d: DType) -> Tol {
     match d {
         DType::F32 => F32,
         DType::F64 => F64,
+        // Where a 16-bit result is compared with a fixed tolerance, it must be exact (rounded
+        // results go through `check_derived`); NaN payloads may differ.
+        DType::BF16 | DType::F16 => Tol::Exact,
         _ => Tol::Bits,
     }
 }
@@ -136,6 +139,9 @@ struct Case {
     inputs: Vec<HostTensor>,
     want: HostTensor,
     tol: Tol,
+    /// For 16-bit floats: the bound derived from libtorch's own error (see [`check_derived`]);
+    /// replaces `want`/`tol`.
+    bound: Option<Bound>,
 }
 
 thread_local! {
@@ -157,6 +163,7 @@ fn check(name: &str, op: Op, inputs: &[HostTensor], want: &HostTensor, tol: Tol)
             inputs: inputs.to_vec(),
             want: want.clone(),
             tol,
+            bound: None,
         });
         p.len()
     });
@@ -220,7 +227,11 @@ fn flush() {
         match result {
             Ok(out) => {
                 for (c, o) in built.iter().zip(&out) {
-                    if let Err(e) = compare(&what(c, backend), o, &c.want, c.tol) {
+                    let r = match &c.bound {
+                        Some(b) => b.compare(&what(c, backend), backend, o),
+                        None => compare(&what(c, backend), o, &c.want, c.tol),
+                    };
+                    if let Err(e) = r {
                         fail(e);
                     }
                 }
@@ -261,12 +272,214 @@ impl Drop for Report {
             return;
         }
         flush();
+        report_half_errors();
         let f = FAILURES.with(|f| std::mem::take(&mut *f.borrow_mut()));
         if !f.is_empty() {
             panic!("{} failure(s):\n{}", f.len(), f.join("\n"));
         }
     }
 }
+
+// ----- 16-bit floats: tolerances derived from libtorch's own error ---------------------------
+//
+// A bf16 or f16 result cannot be compared with a fixed tolerance against libtorch in the same
+// dtype: the two may round at different points (XLA CPU computes most bf16/f16 elementwise ops
+// in f32 and rounds once; libtorch sometimes does too, sometimes accumulates in the narrow
+// type), so neither is "the" answer. Both are compared with the float64 result on the same
+// (already rounded) inputs instead, and kiln (each backend) may be at most a small multiple of
+// libtorch's own error in that dtype, with a floor of what correct rounding allows:
+//
+// - elementwise ops, per element: |got - ref| <= 2 * max(|torch - ref|, u * |ref|, tiny)
+// - contractions and sums (dot, conv, reductions, pooling, scatter-add), normwise over the
+//   output: max |got - ref| <= 4 * max(max |torch - ref|, u * max |ref|, tiny)
+//
+// where u is the unit roundoff (half the machine epsilon: 2^-8 = 3.9e-3 for bf16, 2^-11 =
+// 4.9e-4 for f16; one correctly rounded operation errs by at most u relative) and tiny is the
+// smallest normal number of the dtype (a result flushed to zero, or a subnormal rounded
+// differently, may lose that much). The factor 2 elementwise allows a second rounding (an f32
+// intermediate, then the output); 4 for sums allows a different summation order (the error
+// bound of a sum grows with the number of terms and depends on the order). A NaN reference
+// must give NaN, an infinite one the same infinity; a finite reference may give an infinity
+// only where the reference rounded to the dtype overflows too.
+
+/// The elementwise or normwise rule above.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Rule {
+    Elementwise,
+    Normwise,
+}
+
+#[derive(Clone)]
+struct Bound {
+    dtype: DType,
+    rule: Rule,
+    /// The float64 result on the rounded inputs.
+    reference: Vec<f64>,
+    /// The reference rounded to the dtype (for overflow).
+    rounded: Vec<f64>,
+    /// The allowed absolute error per element.
+    allowed: Vec<f64>,
+    /// Per element: the magnitude errors are reported relative to.
+    scale: Vec<f64>,
+    /// libtorch's largest relative error (reported).
+    torch_err: f64,
+}
+
+fn unit_roundoff(d: DType) -> f64 {
+    d.epsilon().unwrap() / 2.0
+}
+
+fn smallest_normal(d: DType) -> f64 {
+    match d {
+        DType::BF16 => f32::MIN_POSITIVE as f64,
+        DType::F16 => 2f64.powi(-14),
+        DType::F32 => f32::MIN_POSITIVE as f64,
+        _ => f64::MIN_POSITIVE,
+    }
+}
+
+impl Bound {
+    fn new(dtype: DType, rule: Rule, reference: &T, torch: &T) -> Bound {
+        let r = th(reference, DType::F64).to_f64_vec();
+        let t = th(torch, dtype).to_f64_vec();
+        assert_eq!(r.len(), t.len(), "reference and libtorch result sizes");
+        let rounded = th(reference, dtype).to_f64_vec();
+        let (u, tiny) = (unit_roundoff(dtype), smallest_normal(dtype));
+        let terr = |a: f64, b: f64| {
+            if a.is_finite() && b.is_finite() {
+                (a - b).abs()
+            } else {
+                0.0
+            }
+        };
+        let (allowed, scale): (Vec<f64>, Vec<f64>) = match rule {
+            Rule::Elementwise => r
+                .iter()
+                .zip(&t)
+                .map(|(&r, &t)| {
+                    let a = 2.0 * terr(t, r).max(u * r.abs()).max(tiny);
+                    (a, r.abs().max(tiny))
+                })
+                .unzip(),
+            Rule::Normwise => {
+                let finite = |v: &f64| v.is_finite();
+                let rmax = r
+                    .iter()
+                    .filter(|v| finite(v))
+                    .fold(0.0f64, |m, v| m.max(v.abs()));
+                let tmax = r
+                    .iter()
+                    .zip(&t)
+                    .fold(0.0f64, |m, (&r, &t)| m.max(terr(t, r)));
+                let a = 4.0 * tmax.max(u * rmax).max(tiny);
+                (vec![a; r.len()], vec![rmax.max(tiny); r.len()])
+            }
+        };
+        let torch_err = r
+            .iter()
+            .zip(&t)
+            .zip(&scale)
+            .fold(0.0f64, |m, ((&r, &t), &s)| m.max(terr(t, r) / s));
+        Bound {
+            dtype,
+            rule,
+            reference: r,
+            rounded,
+            allowed,
+            scale,
+            torch_err,
+        }
+    }
+
+    fn compare(&self, what: &str, backend: &str, got: &HostTensor) -> Result<(), String> {
+        if got.ty().dtype != self.dtype || got.ty().shape.numel() != self.reference.len() {
+            return Err(format!(
+                "{what}: type {}, expected {}",
+                got.ty(),
+                self.dtype
+            ));
+        }
+        let g = got.to_f64_vec();
+        let mut worst = 0.0f64;
+        for (i, &a) in g.iter().enumerate() {
+            let (r, rr) = (self.reference[i], self.rounded[i]);
+            let ok = if r.is_nan() {
+                a.is_nan()
+            } else if r.is_infinite() {
+                a == r
+            } else if a.is_infinite() {
+                a == rr
+            } else {
+                let e = (a - r).abs();
+                worst = worst.max(e / self.scale[i]);
+                e <= self.allowed[i]
+            };
+            if !ok {
+                return Err(format!(
+                    "{what}: element {i} is {a:e}, float64 reference {r:e}, allowed error {:e} \
+                     ({:?} rule)",
+                    self.allowed[i], self.rule
+                ));
+            }
+        }
+        HALF_ERRORS.with(|h| {
+            let mut h = h.borrow_mut();
+            let e = h.entry(self.dtype.name()).or_insert((0.0, 0.0, 0.0));
+            match backend {
+                "xla" => e.0 = e.0.max(worst),
+                _ => e.1 = e.1.max(worst),
+            }
+            e.2 = e.2.max(self.torch_err);
+        });
+        Ok(())
+    }
+}
+
+thread_local! {
+    /// Per dtype: the largest relative error seen (xla, eager, libtorch).
+    static HALF_ERRORS: std::cell::RefCell<std::collections::BTreeMap<&'static str, (f64, f64, f64)>> =
+        const { std::cell::RefCell::new(std::collections::BTreeMap::new()) };
+}
+
+fn report_half_errors() {
+    let h = HALF_ERRORS.with(|h| std::mem::take(&mut *h.borrow_mut()));
+    for (d, (x, e, t)) in h {
+        eprintln!(
+            "{} {d}: max relative error vs float64: xla {x:.3e}, eager {e:.3e}, libtorch {t:.3e}",
+            std::thread::current().name().unwrap_or("?"),
+        );
+    }
+}
+
+/// Queues a check of `op` in a 16-bit float dtype: `reference` is the float64 result on the
+/// same inputs, `torch` libtorch's result in the dtype; the bound follows `rule` (see above).
+fn check_derived(name: &str, op: Op, inputs: &[HostTensor], reference: &T, torch: &T, rule: Rule) {
+    let d = inputs
+        .iter()
+        .map(|h| h.ty().dtype)
+        .find(|d| d.is_half())
+        .expect("a 16-bit float input");
+    let bound = Bound::new(d, rule, reference, torch);
+    let want = th(torch, d);
+    let n = PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        p.push(Case {
+            name: format!("{name} {d}"),
+            op,
+            inputs: inputs.to_vec(),
+            want,
+            tol: Tol::Exact,
+            bound: Some(bound),
+        });
+        p.len()
+    });
+    if n >= 256 {
+        flush();
+    }
+}
+
+/// The 16-bit float dtypes.
+const HALVES: [DType; 2] = [DType::BF16, DType::F16];
 
 // ----- data ------------------------------------------------------------------------------------
 
@@ -303,7 +516,7 @@ fn ints(shape: &[usize], dtype: DType, lo: i64, hi: i64, seed: u64) -> HostTenso
             &(0..n).map(|_| r.range(lo, hi) as i32).collect::<Vec<_>>(),
         ),
         DType::I64 => host(shape, &(0..n).map(|_| r.range(lo, hi)).collect::<Vec<_>>()),
-        DType::F32 | DType::F64 => floats(shape, dtype, || r.range(lo, hi) as f64),
+        _ => floats(shape, dtype, || r.range(lo, hi) as f64),
     }
 }
 
@@ -345,6 +558,14 @@ fn tt(h: &HostTensor) -> T {
         DType::I64 => T::from_slice(&h.to_vec::<i64>().unwrap()),
         DType::F32 => T::from_slice(&h.to_vec::<f32>().unwrap()),
         DType::F64 => T::from_slice(&h.to_vec::<f64>().unwrap()),
+        // Exact: every bf16 and f16 value is an f32 value.
+        DType::BF16 | DType::F16 => T::from_slice(
+            &h.to_f64_vec()
+                .into_iter()
+                .map(|x| x as f32)
+                .collect::<Vec<_>>(),
+        )
+        .to_kind(kind_of(h.ty().dtype)),
     };
     t.reshape(&dims)
 }
@@ -382,6 +603,13 @@ fn th(t: &T, dtype: DType) -> HostTensor {
             &shape,
             &Vec::<f64>::try_from(&flat.to_kind(Kind::Double)).unwrap(),
         ),
+        // Rounded once from the tensor's values (exact when it already holds `dtype`).
+        DType::BF16 | DType::F16 => floats(&shape, dtype, {
+            let mut v = Vec::<f64>::try_from(&flat.to_kind(Kind::Double))
+                .unwrap()
+                .into_iter();
+            move || v.next().unwrap()
+        }),
     }
 }
 
@@ -433,10 +661,10 @@ fn with_specials(h: &HostTensor, seed: u64) -> HostTensor {
         }
     }
     let shape = h.ty().shape.dims().to_vec();
-    match h.ty().dtype {
-        DType::F32 => host(&shape, &v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
-        _ => host(&shape, &v),
-    }
+    floats(&shape, h.ty().dtype, {
+        let mut v = v.into_iter();
+        move || v.next().unwrap()
+    })
 }
 
 /// Shapes for elementwise ops: a scalar, a vector and a rank-3 tensor (odd sizes, so vectorised loops
@@ -500,6 +728,49 @@ fn unary_float() {
                     _ => default_tol(d),
                 };
                 check(u.name(), Op::Unary(u), &[x], &want, tol);
+            }
+        }
+    }
+}
+
+#[test]
+fn unary_half() {
+    let _r = Report;
+    use UnaryOp::*;
+    let ops = [
+        Neg, Abs, Exp, Log, Log1p, Sqrt, Rsqrt, Tanh, Logistic, Erf, Sin, Cos, Floor, Ceil, Sign,
+    ];
+    for (k, u) in ops.into_iter().enumerate() {
+        for d in HALVES {
+            for (s, shape) in SHAPES.iter().enumerate() {
+                let seed = (k * 100 + s) as u64;
+                let x = match u {
+                    Log | Sqrt | Rsqrt => uniform(shape, d, 0.01, 20.0, seed),
+                    Log1p => uniform(shape, d, -0.99, 20.0, seed),
+                    // Past 11.1, exp overflows f16: the overflow rule is exercised.
+                    Exp => uniform(shape, d, -20.0, 20.0, seed),
+                    _ => normal(shape, d, 3.0, seed),
+                };
+                let x = if numel(shape) >= 5 {
+                    with_specials(&x, seed)
+                } else {
+                    x
+                };
+                let xt = tt(&x);
+                match u {
+                    Sign | Floor | Ceil | Neg | Abs => {
+                        let want = th(&unary_ref(u, &xt), d);
+                        check(u.name(), Op::Unary(u), &[x], &want, Tol::Exact);
+                    }
+                    _ => check_derived(
+                        u.name(),
+                        Op::Unary(u),
+                        &[x],
+                        &unary_ref(u, &xt.to_kind(Kind::Double)),
+                        &unary_ref(u, &xt),
+                        Rule::Elementwise,
+                    ),
+                }
             }
         }
     }
@@ -641,6 +912,45 @@ fn binary_float() {
                     _ => default_tol(d),
                 };
                 check(b.name(), Op::Binary(b), &[x, y], &want, tol);
+            }
+        }
+    }
+}
+
+#[test]
+fn binary_half() {
+    let _r = Report;
+    use BinaryOp::*;
+    for (k, b) in [Add, Sub, Mul, Div, Rem, Pow, Max, Min]
+        .into_iter()
+        .enumerate()
+    {
+        for d in HALVES {
+            for (s, shape) in SHAPES.iter().enumerate() {
+                let seed = (k * 100 + s * 10) as u64;
+                let (x, y) = match b {
+                    // Positive bases (negative ones with real exponents are NaN).
+                    Pow => (
+                        uniform(shape, d, 0.1, 3.1, seed),
+                        normal(shape, d, 2.0, seed + 1),
+                    ),
+                    _ => (normal(shape, d, 3.0, seed), normal(shape, d, 2.0, seed + 1)),
+                };
+                let (x, y) = if numel(shape) >= 5 {
+                    (with_specials(&x, seed + 2), with_specials(&y, seed + 3))
+                } else {
+                    (x, y)
+                };
+                let (xt, yt) = (tt(&x), tt(&y));
+                if matches!(b, Max | Min) {
+                    let want = th(&float_binary_ref(b, &xt, &yt), d);
+                    check(b.name(), Op::Binary(b), &[x, y], &want, Tol::Exact);
+                } else {
+                    let r =
+                        float_binary_ref(b, &xt.to_kind(Kind::Double), &yt.to_kind(Kind::Double));
+                    let t = float_binary_ref(b, &xt, &yt);
+                    check_derived(b.name(), Op::Binary(b), &[x, y], &r, &t, Rule::Elementwise);
+                }
             }
         }
     }
@@ -804,7 +1114,7 @@ fn compare_all_dtypes() {
                 let seed = (k * 100 + s * 10) as u64;
                 // Few distinct values so that equality occurs; u32 values above 2^31 (unsigned!).
                 let (x, y) = match d {
-                    DType::F32 | DType::F64 => {
+                    d if d.is_float() => {
                         let x = ints(shape, d, -2, 2, seed);
                         let y = ints(shape, d, -2, 2, seed + 1);
                         if numel(shape) >= 5 {
@@ -868,7 +1178,7 @@ fn select() {
         for (s, shape) in SHAPES.iter().enumerate() {
             let p = bits(shape, DType::Bool, s as u64);
             let (a, b) = match d {
-                DType::F32 | DType::F64 => (randn(shape, d, 1), randn(shape, d, 2)),
+                d if d.is_float() => (randn(shape, d, 1), randn(shape, d, 2)),
                 _ => (bits(shape, d, 3), bits(shape, d, 4)),
             };
             let want = th(&tt(&a).where_self(&tt(&p), &tt(&b)), d);
@@ -890,14 +1200,23 @@ fn convert_ref(x: &HostTensor, to: DType) -> HostTensor {
             DType::U32 => host(&shape, &v.iter().map(|&a| a as u32).collect::<Vec<_>>()),
             DType::I32 => host(&shape, &v.iter().map(|&a| a as i32).collect::<Vec<_>>()),
             DType::I64 => host(&shape, &v.iter().map(|&a| a as i64).collect::<Vec<_>>()),
-            DType::F32 => host(&shape, &v.iter().map(|&a| a as f32).collect::<Vec<_>>()),
-            DType::F64 => host(&shape, &v),
+            // Rounded once (from f64, which holds every source value exactly).
+            d => floats(&shape, d, {
+                let mut v = v.into_iter();
+                move || v.next().unwrap()
+            }),
         }
     } else {
         let v = int_values(x);
         match to {
             DType::F32 => host(&shape, &v.iter().map(|&a| a as f32).collect::<Vec<_>>()),
             DType::F64 => host(&shape, &v.iter().map(|&a| a as f64).collect::<Vec<_>>()),
+            // Through f64: a second rounding only for integers beyond 2^53 that land on a
+            // 16-bit midpoint (none in this data).
+            d if d.is_float() => floats(&shape, d, {
+                let mut v = v.into_iter();
+                move || v.next().unwrap() as f64
+            }),
             _ => map_ints(to, &shape, v),
         }
     }
@@ -936,7 +1255,7 @@ fn convert_all_pairs() {
             for (s, shape) in [&[][..], &[4, 5]].iter().enumerate() {
                 let seed = s as u64 * 7 + from as u64 * 100 + to as u64;
                 let x = match from {
-                    DType::F32 | DType::F64 => {
+                    d if d.is_float() => {
                         let mut r = SplitMix64::mixed(seed);
                         let mut k = 0;
                         floats(shape, from, || {
@@ -1060,7 +1379,7 @@ fn broadcast() {
         (&[2, 3], &[2, 4, 3], &[0, 2]),
         (&[1, 3, 1], &[2, 3, 4], &[0, 1, 2]),
     ];
-    for d in [DType::F32, DType::I64, DType::Bool, DType::U32] {
+    for d in [DType::F32, DType::I64, DType::Bool, DType::U32, DType::BF16] {
         for (k, &(from, to, dims)) in cases.iter().enumerate() {
             let x = any_data(from, d, k as u64);
             let want = gather_ref(&[&x], None, to, |o| {
@@ -1121,7 +1440,7 @@ fn slice_ref(x: &HostTensor, start: &[usize], limit: &[usize], stride: &[usize])
 #[test]
 fn reshape_transpose_slice_reverse() {
     let _r = Report;
-    for d in [DType::F32, DType::I32, DType::Bool] {
+    for d in [DType::F32, DType::I32, DType::Bool, DType::F16] {
         let x = any_data(&[2, 3, 4], d, 1);
         for to in [&[24][..], &[4, 6], &[2, 1, 12, 1], &[4, 3, 2]] {
             reshape_case(&x, to);
@@ -1175,7 +1494,7 @@ fn reshape_transpose_slice_reverse() {
 #[test]
 fn concat() {
     let _r = Report;
-    for d in [DType::F64, DType::U32, DType::Bool] {
+    for d in [DType::F64, DType::U32, DType::Bool, DType::BF16] {
         for axis in 0..3 {
             let shapes: Vec<Vec<usize>> = (0..3)
                 .map(|k| {
@@ -1272,7 +1591,7 @@ fn pad() {
         (&[3, 4], &[1, -2], &[-1, 3], &[1, 2]),
         (&[2, 2, 3], &[0, 1, -1], &[1, 0, 0], &[1, 0, 1]),
     ];
-    for d in [DType::F32, DType::I64, DType::U32, DType::Bool] {
+    for d in [DType::F32, DType::I64, DType::U32, DType::Bool, DType::F16] {
         for (k, &(shape, low, high, interior)) in cases.iter().enumerate() {
             let x = any_data(shape, d, k as u64);
             // i64 extremes as padding values must survive exactly.
@@ -1351,6 +1670,20 @@ fn dot_general() {
             continue;
         }
         for (k, (ls, rs, dims, eq)) in cases.iter().enumerate() {
+            if d.is_half() {
+                let (a, b) = (randn(ls, d, k as u64), randn(rs, d, 50 + k as u64));
+                let ein = |kind: Kind| {
+                    T::einsum(
+                        eq,
+                        &[tt(&a).to_kind(kind), tt(&b).to_kind(kind)],
+                        None::<&[i64]>,
+                    )
+                };
+                let (r, t) = (ein(Kind::Double), ein(kind_of(d)));
+                let op = Op::DotGeneral(dims.clone());
+                check_derived("dot_general", op, &[a, b], &r, &t, Rule::Normwise);
+                continue;
+            }
             let (a, b) = if d.is_float() {
                 (randn(ls, d, k as u64), randn(rs, d, 50 + k as u64))
             } else {
@@ -1464,6 +1797,71 @@ fn reduce() {
     }
 }
 
+#[test]
+fn reduce_half() {
+    let _r = Report;
+    use ReduceKind::*;
+    // Longer rows than `reduce` uses: a sum of 64 terms in bf16 shows whether it accumulates
+    // in the narrow type.
+    let shape = [3, 4, 64];
+    for d in HALVES {
+        for (k, kind) in [Sum, Max, Min].into_iter().enumerate() {
+            for (j, axes) in [&[0][..], &[2], &[0, 2], &[0, 1, 2]].iter().enumerate() {
+                let seed = (k * 10 + j) as u64;
+                let x = randn(&shape, d, seed);
+                let x = if j % 2 == 0 {
+                    with_specials(&x, seed)
+                } else {
+                    x
+                };
+                let ax: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
+                let op = Op::Reduce {
+                    kind,
+                    axes: axes.to_vec(),
+                };
+                let name = format!("reduce {}", kind.name());
+                let xt = tt(&x);
+                match kind {
+                    Sum => {
+                        let sum = |t: T| t.sum_dim_intlist(ax.as_slice(), false, None::<Kind>);
+                        let (r, t) = (sum(xt.to_kind(Kind::Double)), sum(xt));
+                        check_derived(&name, op, &[x], &r, &t, Rule::Normwise);
+                    }
+                    // Exact in any dtype.
+                    Max => check(
+                        &name,
+                        op,
+                        &[x],
+                        &th(&xt.amax(ax.as_slice(), false), d),
+                        Tol::Exact,
+                    ),
+                    Min => check(
+                        &name,
+                        op,
+                        &[x],
+                        &th(&xt.amin(ax.as_slice(), false), d),
+                        Tol::Exact,
+                    ),
+                }
+            }
+        }
+        for kind in [Sum, Max, Min] {
+            let x = any_data(&[0, 3], d, 1);
+            let id = match kind {
+                Sum => 0.0,
+                Max => f64::NEG_INFINITY,
+                Min => f64::INFINITY,
+            };
+            let want = convert_ref(&host(&[3], &[id; 3]), d);
+            let op = Op::Reduce {
+                kind,
+                axes: vec![0],
+            };
+            check("reduce of empty", op, &[x], &want, Tol::Exact);
+        }
+    }
+}
+
 // ----- windows ---------------------------------------------------------------------------------
 
 fn wa(window: &[usize], strides: &[usize], padding: &[(usize, usize)]) -> WindowAttrs {
@@ -1530,7 +1928,15 @@ fn reduce_window() {
     for (c, (shape, w)) in window_cases().into_iter().enumerate() {
         // f32 on every geometry; the other dtypes on a 2-D and a 3-D one (each case is an XLA
         // kernel to compile).
-        for d in [DType::F32, DType::F64, DType::I32, DType::I64, DType::U32] {
+        for d in [
+            DType::F32,
+            DType::F64,
+            DType::I32,
+            DType::I64,
+            DType::U32,
+            DType::BF16,
+            DType::F16,
+        ] {
             if d != DType::F32 && c != 2 && c != 5 {
                 continue;
             }
@@ -1569,11 +1975,25 @@ fn reduce_window() {
                     Sum => sum_pool(&xp, &w),
                     _ => max_pool(&xp, &w).0 * sign,
                 };
-                let want = convert_ref(&th(&r, DType::F64), d);
                 let op = Op::ReduceWindow {
                     kind,
                     attrs: w.clone(),
                 };
+                if d.is_half() && kind == Sum {
+                    // libtorch in the dtype: the same padded average pool times the window
+                    // size (one more rounding than a plain sum: part of libtorch's error).
+                    // libtorch has no bf16/f16 avg_pool3d on CPU: there it pools in f32 and
+                    // rounds once.
+                    let t = if w.window.len() == 3 {
+                        sum_pool(&xp.to_kind(Kind::Float), &w).to_kind(kind_of(d))
+                    } else {
+                        sum_pool(&xp.to_kind(kind_of(d)), &w)
+                    };
+                    let x = std::slice::from_ref(&x);
+                    check_derived("reduce_window sum", op, x, &r, &t, Rule::Normwise);
+                    continue;
+                }
+                let want = convert_ref(&th(&r, DType::F64), d);
                 let tol = match d {
                     DType::F32 => Tol::Close(1e-5, 1e-5),
                     _ => default_tol(d),
@@ -1594,7 +2014,7 @@ fn reduce_window() {
 fn select_and_scatter() {
     let _r = Report;
     for (c, (shape, w)) in window_cases().into_iter().enumerate() {
-        for d in [DType::F32, DType::F64, DType::I32] {
+        for d in [DType::F32, DType::F64, DType::I32, DType::BF16, DType::F16] {
             if d != DType::F32 && c != 3 && c != 5 {
                 continue;
             }
@@ -1632,6 +2052,21 @@ fn select_and_scatter() {
             let mut g = grad;
             for (k, &(lo, _)) in pads.iter().enumerate() {
                 g = g.narrow(k as i64 + 2, lo, shape[k + 2] as i64);
+            }
+            if d.is_half() {
+                // libtorch in the dtype: the same scatter-add of the narrow source.
+                let mut t = xp
+                    .zeros_like()
+                    .to_kind(kind_of(d))
+                    .reshape([n, ch, -1])
+                    .scatter_add(2, &idx.reshape([n, ch, -1]), &tt(&src).reshape([n, ch, -1]))
+                    .reshape(&psize);
+                for (k, &(lo, _)) in pads.iter().enumerate() {
+                    t = t.narrow(k as i64 + 2, lo, shape[k + 2] as i64);
+                }
+                let op = Op::SelectAndScatter(w.clone());
+                check_derived("select_and_scatter", op, &[x, src], &g, &t, Rule::Normwise);
+                continue;
             }
             let want = th(&g, d);
             let tol = match d {
@@ -1819,6 +2254,15 @@ fn conv() {
             };
             check("conv", Op::Conv(case.attrs.clone()), &[x, k], &want, tol);
         }
+        for d in HALVES {
+            let x = randn(&case.x, d, c as u64);
+            let k = randn(&case.k, d, 100 + c as u64);
+            let conv =
+                |kind: Kind| conv_ref(&tt(&x).to_kind(kind), &tt(&k).to_kind(kind), &case.attrs);
+            let (r, t) = (conv(Kind::Double), conv(kind_of(d)));
+            let op = Op::Conv(case.attrs.clone());
+            check_derived("conv", op, &[x, k], &r, &t, Rule::Normwise);
+        }
     }
 }
 
@@ -1860,7 +2304,14 @@ fn take_cases() -> Vec<TakeCase> {
 fn take() {
     let _r = Report;
     for (c, (xs, axis, is, iv)) in take_cases().into_iter().enumerate() {
-        for d in [DType::F32, DType::I64, DType::Bool, DType::U32] {
+        for d in [
+            DType::F32,
+            DType::I64,
+            DType::Bool,
+            DType::U32,
+            DType::BF16,
+            DType::F16,
+        ] {
             for id in [DType::I32, DType::I64] {
                 let x = any_data(&xs, d, c as u64);
                 let idx = map_ints(id, &is, iv.clone());
@@ -1922,6 +2373,44 @@ fn scatter_add() {
                 &want,
                 default_tol(d),
             );
+        }
+    }
+}
+
+#[test]
+fn scatter_add_half() {
+    let _r = Report;
+    for (c, (xs, axis, is, iv)) in take_cases().into_iter().enumerate() {
+        for d in HALVES {
+            let id = if c % 2 == 0 { DType::I64 } else { DType::I32 };
+            let mut us = xs[..axis].to_vec();
+            us.extend_from_slice(&is);
+            us.extend_from_slice(&xs[axis + 1..]);
+            let (base, upd) = (randn(&xs, d, c as u64), randn(&us, d, 10 + c as u64));
+            // The float64 sum, and libtorch's `index_put_` with accumulation in the dtype
+            // (indices clamped first, as the op does).
+            let flat_idx: Vec<i64> = (0..numel(&us))
+                .map(|i| {
+                    let (xi, _) = take_index(&unravel(i, &us), axis, is.len(), &iv, &is, xs[axis]);
+                    ravel(&xi, &xs) as i64
+                })
+                .collect();
+            let idx_t = T::from_slice(&flat_idx);
+            let acc = |kind: Kind| {
+                tt(&base)
+                    .to_kind(kind)
+                    .reshape([-1])
+                    .index_put(
+                        &[Some(idx_t.shallow_clone())],
+                        &tt(&upd).to_kind(kind).reshape([-1]),
+                        true,
+                    )
+                    .reshape(xs.iter().map(|&v| v as i64).collect::<Vec<_>>())
+            };
+            let (r, t) = (acc(Kind::Double), acc(kind_of(d)));
+            let idx = map_ints(id, &is, iv.clone());
+            let op = Op::ScatterAdd { axis };
+            check_derived("scatter_add", op, &[base, idx, upd], &r, &t, Rule::Normwise);
         }
     }
 }

@@ -82,3 +82,36 @@ pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
     }
     p
 }
+
+/// The digits CNN of the `train` and `data_parallel` examples (and the mixed-precision tests):
+/// two 3x3 convolutions with ReLU and 2x2 max pooling, then a linear classifier.
+pub fn cnn(store: &kiln::nn::ParamStore) -> Result<kiln::nn::Sequential> {
+    use kiln::nn::{Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Relu, Sequential};
+    let r = store.root();
+    let pad1 = Conv2dConfig {
+        padding: [1, 1],
+        ..Default::default()
+    };
+    Ok(Sequential::new()
+        .add(Conv2d::new(&r.sub("conv1"), 1, 16, 3, pad1)?)
+        .add(Relu)
+        .add(MaxPool2d::new(2, 2, 0))
+        .add(Conv2d::new(&r.sub("conv2"), 16, 32, 3, pad1)?)
+        .add(Relu)
+        .add(MaxPool2d::new(2, 2, 0))
+        .add(Flatten::default())
+        .add(Linear::new(&r.sub("fc"), 32 * 2 * 2, 10, true)?))
+}
+
+/// The fraction of the images `idx` of `data` that `model` classifies right.
+#[allow(dead_code)] // not every file that includes this module evaluates
+pub fn accuracy(model: &impl kiln::nn::Module, data: &Digits, idx: &[usize]) -> Result<f64> {
+    let (x, y) = data.batch(idx)?;
+    let logits = tch::no_grad(|| model.forward(&x))?;
+    let pred = logits.as_tch()?.f_argmax(-1, false)?;
+    let correct = pred
+        .f_eq_tensor(y.as_tch()?)?
+        .f_sum(tch::Kind::Int64)?
+        .int64_value(&[]);
+    Ok(correct as f64 / idx.len() as f64)
+}

@@ -47,7 +47,8 @@ kiln's eager graph interpreter (libtorch draws other masks), marked `vs graph in
 
 Threads: by default each side runs as a user would run it: libtorch at its default intra-op
 threads (one per core) and the XLA CPU plugin's pool (one per CPU the process may use).
---threads N puts both on N: libtorch's set_num_threads(N), and the process's CPU affinity
+--threads N puts both on N: libtorch's set_num_threads(N) (in eager and in the libtorch kernels
+inside XLA executables), and the process's CPU affinity
 restricted to N CPUs before the PJRT client is created. The XLA CPU plugin has no thread-count
 option and keeps its pool's size (4 threads on 2 vCPUs); the affinity confines those threads
 to the N CPUs, so both sides get N cores of compute. The harness re-executes itself with
@@ -58,7 +59,9 @@ table header and CSV say each side's threads and which PJRT plugin ran (--plugin
 
 Training timer: a compiled run stops the clock after waiting for all of its last step's device
 work (updated parameters and optimizer state, not just the loss, which in split mode comes out
-of the forward executable).
+of the forward executable). Inference timer: a compiled run leaves each iteration's outputs on
+the device (no per-iteration download), then waits for all of them and reads the last one back:
+one sync per run of --iterations-per-run iterations.
 
 User models: --only path:FILE,class:NAME builds a scratch crate that includes FILE (a Rust file
 defining `NAME: kiln::zoo::Model` with `fn new(store: &kiln::nn::ParamStore) ->

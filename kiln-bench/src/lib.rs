@@ -48,6 +48,7 @@ mod accuracy;
 pub mod cli;
 mod error;
 mod infer;
+mod memory;
 mod report;
 mod runner;
 pub mod stats;

@@ -25,6 +25,8 @@ pub struct VariantResult {
     pub accuracy: Option<Accuracy>,
     /// The runtime counters at the end (traces, compiles, executions, transfers...).
     pub stats: Option<Stats>,
+    /// Peak resident-memory growth of one call in bytes (see [`ModelRow::eager_peak_bytes`]).
+    pub peak_bytes: Option<u64>,
     /// Why this variant has no result.
     pub error: Option<String>,
 }
@@ -39,6 +41,7 @@ impl VariantResult {
             compile_s: None,
             accuracy: None,
             stats: None,
+            peak_bytes: None,
             error: None,
         }
     }
@@ -53,6 +56,11 @@ pub struct ModelRow {
     pub batch_size: usize,
     /// Eager's median milliseconds per iteration.
     pub eager_ms: Option<f64>,
+    /// Eager's peak resident-memory growth during one call in bytes: what the call touched
+    /// beyond the memory resident before it (parameters and executables are in neither side's
+    /// figure). Measured once, outside the timed runs; `None` where the system cannot measure
+    /// it. The method is in the harness's `memory` module docs.
+    pub eager_peak_bytes: Option<u64>,
     /// Why the model has no result at all (it failed to build or to run eagerly).
     pub error: Option<String>,
     /// Training: the reference's own rounding noise in the first step's update (its relative
@@ -120,6 +128,19 @@ fn accuracy_details(r: &VariantResult) -> [String; 3] {
     ]
 }
 
+fn megabytes(bytes: u64) -> f64 {
+    bytes as f64 / 1e6
+}
+
+/// torchbench.py's `compression_ratio`: eager's peak memory over the compiled side's. Both are
+/// at least one page when measured; a zero (nothing touched) has no meaningful ratio.
+fn compression(eager: Option<u64>, compiled: Option<u64>) -> Option<f64> {
+    match (eager, compiled) {
+        (Some(e), Some(c)) if e > 0 && c > 0 => Some(e as f64 / c as f64),
+        _ => None,
+    }
+}
+
 fn fmt_opt(v: Option<f64>, prec: usize) -> String {
     match v {
         Some(x) => format!("{x:.prec$}"),
@@ -177,11 +198,16 @@ impl Report {
                 c.push(col("eager ms".into(), true, true));
                 // One column, the variants' values in column order, keeps the table narrow.
                 c.push(col("compile s".into(), true, true));
+                // Same layout: the variants' compression ratios in column order.
+                c.push(col("compression".into(), true, true));
                 c.push(col("accuracy".into(), true, false));
                 c.push(col("batch size".into(), false, true));
                 c.push(col("update noise".into(), false, true));
+                c.push(col("eager peak MB".into(), false, true));
                 for v in &self.variants {
                     let s = v.short();
+                    c.push(col(format!("compression ({s})"), false, true));
+                    c.push(col(format!("peak MB ({s})"), false, true));
                     c.push(col(format!("compile s ({s})"), false, true));
                     c.push(col(format!("p ({s})"), false, true));
                     c.push(col(format!("ms ({s})"), false, true));
@@ -247,10 +273,27 @@ impl Report {
                     compile.join(" / ")
                 };
                 out.push(same(compile));
+                let ratios: Vec<Option<f64>> = results
+                    .iter()
+                    .map(|r| compression(row.eager_peak_bytes, r.peak_bytes))
+                    .collect();
+                let compression_cell = if ratios.iter().all(Option::is_none) {
+                    String::new()
+                } else {
+                    ratios
+                        .iter()
+                        .map(|c| c.map(|c| format!("{c:.2}x")).unwrap_or_else(|| "-".into()))
+                        .collect::<Vec<_>>()
+                        .join(" / ")
+                };
+                out.push(same(compression_cell));
                 out.push(same(self.accuracy_summary(row)));
                 out.push(same(row.batch_size.to_string()));
                 out.push(same(fmt_sci(row.update_noise)));
-                for r in results {
+                out.push(same(fmt_opt(row.eager_peak_bytes.map(megabytes), 3)));
+                for (r, ratio) in results.iter().zip(&ratios) {
+                    out.push(same(fmt_opt(*ratio, 4)));
+                    out.push(same(fmt_opt(r.peak_bytes.map(megabytes), 3)));
                     out.push(same(fmt_opt(r.compile_s, 4)));
                     out.push(same(fmt_opt(r.p_value, 4)));
                     out.push(same(fmt_opt(r.median_ms, 5)));
@@ -512,7 +555,9 @@ impl std::fmt::Display for Report {
                 "{what}; speedup = eager median / compiled median over {} repetitions of {} \
                  iteration(s) (interleaved, {} warm-up call(s) excluded{}); p = Welch's t-test \
                  (SAME: p > {SAME_THRESHOLD}); compile s = each column's first call (trace + compile + \
-                 run), in column order",
+                 run), in column order; compression = eager peak memory / compiled peak memory, \
+                 each the resident-set growth during one call over the resident set before it \
+                 (parameters and executables excluded on both sides), in column order",
                 self.repeat,
                 self.iterations_per_run,
                 self.warmup,

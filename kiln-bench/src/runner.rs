@@ -4,6 +4,7 @@
 use super::accuracy::{
     compare, compare_updates, Accuracy, AccuracyStatus, Reference, Tolerance, UPDATE_RTOL,
 };
+use super::memory;
 use super::report::{ModelRow, Report, VariantResult};
 use super::stats::{median, welch_t_test};
 use super::{default_batch_size, infer, train, BenchOptions, Experiment, ModelSource, Variant};
@@ -197,6 +198,9 @@ pub(crate) fn run(
 ) -> Result<Report> {
     if let Some(t) = opts.threads {
         tch::set_num_threads(i32::try_from(t).unwrap_or(i32::MAX));
+        // libtorch kernels inside XLA executables run on XLA's worker threads, which apply
+        // their own setting: give them the same N.
+        kiln::backend::xla::kernels::set_threads(t);
     }
     let variants = opts.variants();
     let total = units_per_model(opts, variants.len()) * sources.len() as u64;
@@ -214,6 +218,7 @@ pub(crate) fn run(
                 batch_size: opts.batch_size.unwrap_or_else(|| default_batch_size(&name)),
                 model: name,
                 eager_ms: None,
+                eager_peak_bytes: None,
                 error: Some(error_text(&e)),
                 results: variants.iter().map(|v| VariantResult::new(*v)).collect(),
             },
@@ -282,6 +287,7 @@ fn bench_model(
         model: model.name().to_string(),
         batch_size: batch,
         eager_ms: None,
+        eager_peak_bytes: None,
         error: None,
         update_noise: None,
         results: variants.iter().map(|v| VariantResult::new(*v)).collect(),
@@ -435,6 +441,22 @@ fn bench_model_inner(
     }
     if opts.experiment == Experiment::Accuracy {
         return Ok(());
+    }
+
+    // Peak memory of one call per contender, outside the timed runs (see crate::memory).
+    let (out, peak) = memory::peak_growth(|| eager.run(&inputs, 1));
+    out?;
+    row.eager_peak_bytes = peak;
+    for (vi, slot) in contenders.iter_mut().enumerate() {
+        let Some(c) = slot else { continue };
+        let (out, peak) = memory::peak_growth(|| c.run(&inputs, 1));
+        match out {
+            Ok(_) => row.results[vi].peak_bytes = peak,
+            Err(e) => {
+                row.results[vi].error = Some(error_text(&e));
+                *slot = None;
+            }
+        }
     }
 
     // Timed repetitions, interleaved.

@@ -120,7 +120,8 @@ fn is_cheap(op: &Op) -> bool {
         | Op::SelectAndScatter(_)
         | Op::Conv(_)
         | Op::Take { .. }
-        | Op::ScatterAdd { .. } => false,
+        | Op::ScatterAdd { .. }
+        | Op::AllReduce(_) => false,
     }
 }
 

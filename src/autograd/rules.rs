@@ -324,6 +324,15 @@ pub fn vjp(g: &mut Graph, node: NodeId, ct: NodeId, needs: &[bool]) -> Result<Ve
             };
             vec![need(0).then_some(ct), None, du]
         }
+        // Every replica's loss reads the sum, so each operand's gradient sums the replicas'
+        // cotangents.
+        Op::AllReduce(ReduceKind::Sum) => vec![Some(b.op(Op::AllReduce(ReduceKind::Sum), &[ct])?)],
+        Op::AllReduce(kind @ (ReduceKind::Max | ReduceKind::Min)) => {
+            return Err(Error::Unsupported {
+                backend: "autograd".into(),
+                what: format!("the gradient of a cross-replica {}", kind.name()),
+            })
+        }
     };
     // Drop contributions to operands that do not need them, and check types.
     let mut out = Vec::with_capacity(r.len());

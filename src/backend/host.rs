@@ -40,6 +40,8 @@ element!(f64, DType::F64);
 element!(i32, DType::I32);
 element!(i64, DType::I64);
 element!(u32, DType::U32);
+element!(half::bf16, DType::BF16);
+element!(half::f16, DType::F16);
 
 impl Element for bool {
     const DTYPE: DType = DType::Bool;
@@ -118,6 +120,8 @@ impl HostTensor {
                 DType::I64 => i64::get(b) as f64,
                 DType::F32 => f32::get(b) as f64,
                 DType::F64 => f64::get(b),
+                DType::BF16 => half::bf16::get(b).to_f64(),
+                DType::F16 => half::f16::get(b).to_f64(),
             })
             .collect()
     }

@@ -89,6 +89,15 @@ pub trait Backend: Send + Sync + 'static {
         Ok(false)
     }
 
+    /// Text views of `exe`, compiled from `graph`, that only this backend has, in pipeline
+    /// order after kiln's graph (see [`crate::inspect`]): XLA's are the StableHLO kiln emitted
+    /// and the plugin's optimized HLO. A view the backend cannot produce holds the reason as
+    /// its error. The default has none (a backend that runs the graph as it is).
+    fn stages(&self, graph: &Graph, exe: &Self::Executable) -> Vec<crate::inspect::Stage> {
+        let _ = (graph, exe);
+        Vec::new()
+    }
+
     /// Serializes a compiled executable for an on-disk cache; `None` if this backend cannot.
     fn serialize_executable(&self, exe: &Self::Executable) -> Result<Option<Vec<u8>>> {
         let _ = exe;
@@ -113,6 +122,15 @@ pub trait Backend: Send + Sync + 'static {
         self.name().to_string()
     }
 
+    /// What besides the graph's fingerprint and [`Backend::cache_key`] determines the code
+    /// compiled for `graph` (whose fingerprint is `fp`), e.g. per-node lowering choices made
+    /// by measurement (the XLA backend's autotune). Part of the graph's executable cache key,
+    /// so a changed choice compiles anew. The default, empty, says nothing does.
+    fn graph_cache_key(&self, graph: &Graph, fp: &crate::ir::Fingerprint) -> Result<String> {
+        let _ = (graph, fp);
+        Ok(String::new())
+    }
+
     /// Identifies the device context this backend's executables and buffers belong to (for
     /// PJRT: the client). Backends that return the same id can run each other's executables;
     /// an in-memory [`crate::runtime::ExecutableCache`] shared by several backends keys its
@@ -124,5 +142,35 @@ pub trait Backend: Send + Sync + 'static {
     /// handles must return an id unique to its context, e.g. from a global counter.
     fn instance_id(&self) -> u64 {
         0
+    }
+
+    /// The number of data-parallel replicas every executable of this backend runs as (1 for a
+    /// single-device backend). With N > 1 (e.g. [`xla::Replicated`]) a buffer holds one value
+    /// per replica: variables hold the same value on every replica, batches one shard each
+    /// ([`Backend::to_device_shards`]); [`Backend::to_device`] replicates and
+    /// [`Backend::to_host`] reads replica 0.
+    fn replicas(&self) -> usize {
+        1
+    }
+
+    /// A buffer holding `shards[r]` on replica `r` (one shard per replica, all of one type).
+    /// The default handles one replica.
+    fn to_device_shards(&self, shards: &[HostTensor]) -> Result<Self::Buffer> {
+        match shards {
+            [one] => self.to_device(one),
+            _ => Err(crate::Error::Unsupported {
+                backend: self.name().to_string(),
+                what: format!(
+                    "{} shards on a backend of {} replica(s)",
+                    shards.len(),
+                    self.replicas()
+                ),
+            }),
+        }
+    }
+
+    /// Every replica's value of `b`, in replica order. The default handles one replica.
+    fn to_host_shards(&self, b: &Self::Buffer) -> Result<Vec<HostTensor>> {
+        Ok(vec![self.to_host(b)?])
     }
 }

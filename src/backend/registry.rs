@@ -49,9 +49,10 @@ use super::xla::XlaBackend;
 use super::Backend;
 use crate::compile::{compile, CompiledFn, TraceMode};
 use crate::error::{Error, Result};
+use crate::inspect::Inspection;
 use crate::nn::ParamStore;
 use crate::optim::Optimizer;
-use crate::runtime::Stats;
+use crate::runtime::{DeviceOutputs, Stats};
 use crate::trace::Tensor;
 use crate::train::{TrainMode, TrainStep};
 use once_cell::unsync::OnceCell;
@@ -96,6 +97,44 @@ pub trait DynCompiledFn {
 
     /// Forgets the device copies of variables ([`CompiledFn::refresh_from_store`]).
     fn refresh_from_store(&mut self) -> Result<()>;
+
+    /// Runs the function and leaves its results on the device
+    /// ([`CompiledFn::run_on_device`]).
+    fn run_on_device<'a>(&'a self, inputs: &[Tensor]) -> Result<Box<dyn DynDeviceOutputs + 'a>>;
+
+    /// Every stage of the program compiled for `inputs` ([`CompiledFn::inspect`]).
+    fn inspect(&self, inputs: &[Tensor]) -> Result<Inspection>;
+}
+
+/// Results left on the device, whose backend type is erased; see [`DeviceOutputs`].
+pub trait DynDeviceOutputs {
+    /// The number of results ([`DeviceOutputs::len`]).
+    fn len(&self) -> usize;
+
+    /// Whether there are no results ([`DeviceOutputs::is_empty`]).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Waits until every result is computed ([`DeviceOutputs::synchronize`]).
+    fn synchronize(&self) -> Result<()>;
+
+    /// Every result on the host ([`DeviceOutputs::to_host`]).
+    fn to_host(&self) -> Result<Vec<Tensor>>;
+}
+
+impl<B: Backend> DynDeviceOutputs for DeviceOutputs<'_, B> {
+    fn len(&self) -> usize {
+        DeviceOutputs::len(self)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        DeviceOutputs::synchronize(self)
+    }
+
+    fn to_host(&self) -> Result<Vec<Tensor>> {
+        DeviceOutputs::to_host(self)
+    }
 }
 
 /// A compiled training step whose backend type is erased; see [`TrainStep`].
@@ -123,6 +162,9 @@ pub trait DynTrainStep {
 
     /// Copies the parameters (and buffers) back into the store ([`TrainStep::sync_to_store`]).
     fn sync_to_store(&mut self) -> Result<()>;
+
+    /// Every stage of each program a step on `inputs` runs ([`TrainStep::inspect`]).
+    fn inspect(&mut self, inputs: &[Tensor]) -> Result<Vec<Inspection>>;
 }
 
 impl<B: Backend> DynCompiledFn for CompiledFn<B> {
@@ -140,6 +182,14 @@ impl<B: Backend> DynCompiledFn for CompiledFn<B> {
 
     fn refresh_from_store(&mut self) -> Result<()> {
         CompiledFn::refresh_from_store(self)
+    }
+
+    fn run_on_device<'a>(&'a self, inputs: &[Tensor]) -> Result<Box<dyn DynDeviceOutputs + 'a>> {
+        Ok(Box::new(CompiledFn::run_on_device(self, inputs)?))
+    }
+
+    fn inspect(&self, inputs: &[Tensor]) -> Result<Inspection> {
+        CompiledFn::inspect(self, inputs)
     }
 }
 
@@ -174,6 +224,10 @@ impl<B: Backend> DynTrainStep for TrainStep<B> {
 
     fn sync_to_store(&mut self) -> Result<()> {
         TrainStep::sync_to_store(self)
+    }
+
+    fn inspect(&mut self, inputs: &[Tensor]) -> Result<Vec<Inspection>> {
+        TrainStep::inspect(self, inputs)
     }
 }
 

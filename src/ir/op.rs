@@ -317,6 +317,8 @@ impl Literal {
             DType::I64 => (v as i64).to_le_bytes().to_vec(),
             DType::F32 => (v as f32).to_le_bytes().to_vec(),
             DType::F64 => v.to_le_bytes().to_vec(),
+            DType::BF16 => half::bf16::from_f64(v).to_le_bytes().to_vec(),
+            DType::F16 => half::f16::from_f64(v).to_le_bytes().to_vec(),
         };
         Literal {
             ty: TensorType::scalar(dtype),
@@ -353,6 +355,8 @@ impl Literal {
             DType::I64 => i64::from_le_bytes(self.element_bytes(i)) as f64,
             DType::F32 => f32::from_le_bytes(self.element_bytes(i)) as f64,
             DType::F64 => f64::from_le_bytes(self.element_bytes(i)),
+            DType::BF16 => half::bf16::from_le_bytes(self.element_bytes(i)).to_f64(),
+            DType::F16 => half::f16::from_le_bytes(self.element_bytes(i)).to_f64(),
         }
     }
 
@@ -471,7 +475,8 @@ pub enum Op {
     /// N-d convolution (cross-correlation, as PyTorch and StableHLO define it).
     Conv(ConvAttrs),
     /// Take slices of operand 0 along `axis` at the integer indices of operand 1; result shape
-    /// is `x[..axis] ++ indices.shape ++ x[axis+1..]`. Indices are clamped into range.
+    /// is `x[..axis] ++ indices.shape ++ x[axis+1..]`. Indices are clamped into range. An
+    /// empty `axis` is allowed only when the result is empty (there is nothing to take).
     Take {
         /// The indexed dimension.
         axis: usize,
@@ -483,6 +488,13 @@ pub enum Op {
         /// The indexed dimension.
         axis: usize,
     },
+    /// Cross-replica reduction (`stablehlo.all_reduce` over all replicas): in a program compiled
+    /// for N data-parallel replicas ([`crate::backend::xla::Replicated`]), every replica gets
+    /// the combination of all replicas' operand values. A program of one replica (every
+    /// single-device compile, and the eager interpreter) is its own only replica: the identity.
+    /// Float max/min across replicas follow the device's collective, which need not propagate
+    /// NaN as [`Op::Reduce`] does.
+    AllReduce(ReduceKind),
 }
 
 impl Op {
@@ -511,6 +523,7 @@ impl Op {
             Op::Conv(_) => "conv",
             Op::Take { .. } => "take",
             Op::ScatterAdd { .. } => "scatter_add",
+            Op::AllReduce(_) => "all_reduce",
         }
     }
 
@@ -724,6 +737,9 @@ impl Op {
                 if dims.iter().any(|&d| d >= a.shape.rank()) {
                     return err(format!("dims {dims:?} out of range"));
                 }
+                if !distinct(dims) {
+                    return err(format!("dims {dims:?} repeat a dimension"));
+                }
                 Ok(a.clone())
             }
             Op::DotGeneral(d) => {
@@ -780,6 +796,11 @@ impl Op {
                 let mut dims = x.shape.dims()[..*axis].to_vec();
                 dims.extend_from_slice(idx.shape.dims());
                 dims.extend_from_slice(&x.shape.dims()[axis + 1..]);
+                if x.shape.dim(*axis) == 0 && dims.iter().product::<usize>() > 0 {
+                    return err(format!(
+                        "axis {axis} is empty: there is no slice to take for a non-empty result"
+                    ));
+                }
                 Ok(TensorType::new(x.dtype, dims))
             }
             Op::ScatterAdd { axis } => {
@@ -802,8 +823,20 @@ impl Op {
                 }
                 Ok(base.clone())
             }
+            Op::AllReduce(_) => {
+                arity(1)?;
+                if operands[0].dtype == DType::Bool {
+                    return err("not defined for bool".into());
+                }
+                Ok(operands[0].clone())
+            }
         }
     }
+}
+
+/// No value occurs twice.
+fn distinct(xs: &[usize]) -> bool {
+    xs.iter().enumerate().all(|(i, x)| !xs[..i].contains(x))
 }
 
 fn is_permutation(perm: &[usize], rank: usize) -> bool {
@@ -835,6 +868,15 @@ fn infer_dot(
         || !check(&d.rhs_contract, b)
     {
         return Err(format!("dimension numbers {d:?} out of range"));
+    }
+    // Each dimension of a side is a batch dim, a contracting dim, or neither, once.
+    let lhs: Vec<usize> = d.lhs_batch.iter().chain(&d.lhs_contract).copied().collect();
+    let rhs: Vec<usize> = d.rhs_batch.iter().chain(&d.rhs_contract).copied().collect();
+    if !distinct(&lhs) || !distinct(&rhs) {
+        return Err(format!(
+            "dimension numbers {d:?} use a dimension twice (batch and contracting dims must be \
+             distinct)"
+        ));
     }
     for (&l, &r) in d.lhs_batch.iter().zip(&d.rhs_batch) {
         if a.shape.dim(l) != b.shape.dim(r) {
@@ -1007,6 +1049,32 @@ mod tests {
             ])
             .unwrap();
         assert_eq!(r, t(DType::F32, &[4, 64, 32, 32]));
+    }
+
+    #[test]
+    fn repeated_dims_are_rejected() {
+        // Found by tests/fuzz.rs: `dot_general` with lhs dim 0 both batch and contracting was
+        // accepted (a wrong result type; libtorch failed on it), and so was `reverse` of a dim
+        // twice (StableHLO rejects it).
+        let d = DotDims {
+            lhs_batch: vec![0],
+            rhs_batch: vec![0],
+            lhs_contract: vec![0],
+            rhs_contract: vec![1],
+        };
+        let e = Op::DotGeneral(d)
+            .infer(&[&t(DType::F32, &[3, 3]), &t(DType::F32, &[3, 3])])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("twice"), "{e}");
+        let e = Op::Reverse(vec![1, 1])
+            .infer(&[&t(DType::F32, &[2, 3])])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("repeat"), "{e}");
+        assert!(Op::Reverse(vec![1, 0])
+            .infer(&[&t(DType::F32, &[2, 3])])
+            .is_ok());
     }
 
     #[test]

@@ -64,6 +64,7 @@ pub fn op_attrs(op: &Op) -> String {
             c.strides, c.padding, c.lhs_dilation, c.rhs_dilation, c.feature_groups, c.batch_groups
         ),
         Op::Take { axis } | Op::ScatterAdd { axis } => format!("axis={axis}"),
+        Op::AllReduce(kind) => kind.name().to_string(),
     }
 }
 

@@ -115,19 +115,17 @@ fn pool_geometry(
     Ok((out, pads))
 }
 
-/// The f32/f64 constant `[rows, cols]` matrix of `values` (row-major) in `dtype`.
+/// The float constant `[rows, cols]` matrix of `values` (row-major) in `dtype`, each value
+/// rounded to `dtype` once.
 fn constant_matrix(dtype: DType, shape: &[usize], values: &[f64]) -> Result<Tensor> {
+    if !dtype.is_float() {
+        return Err(Error::Internal(format!(
+            "float constant matrix of dtype {dtype}"
+        )));
+    }
     let mut bytes = Vec::with_capacity(values.len() * dtype.size_in_bytes());
     for &v in values {
-        match dtype {
-            DType::F32 => bytes.extend_from_slice(&(v as f32).to_le_bytes()),
-            DType::F64 => bytes.extend_from_slice(&v.to_le_bytes()),
-            other => {
-                return Err(Error::Internal(format!(
-                    "float constant matrix of dtype {other}"
-                )))
-            }
-        }
+        bytes.extend_from_slice(crate::ir::Literal::scalar(dtype, v).bytes());
     }
     Tensor::constant(TensorType::new(dtype, shape), bytes)
 }
@@ -302,10 +300,18 @@ impl Tensor {
     /// Traced, evenly divisible sizes become one `reduce_window`; other sizes become two
     /// `dot_general`s with constant averaging matrices.
     pub fn adaptive_avg_pool2d(&self, out_hw: [usize; 2]) -> Result<Tensor> {
-        if self.rank() != 4 || !self.dtype().is_float() || out_hw.contains(&0) {
+        if self.rank() != 4
+            || !self.dtype().is_float()
+            || out_hw.contains(&0)
+            || self.dims()[2] == 0
+            || self.dims()[3] == 0
+        {
             return Err(Error::type_error(
                 "adaptive_avg_pool2d",
-                format!("expects a float [N, C, H, W] input and a positive size, got {out_hw:?}"),
+                format!(
+                    "expects a float [N, C, H, W] input with H, W > 0 and a positive size, got \
+                     {out_hw:?}"
+                ),
                 &[self.ty()],
             ));
         }

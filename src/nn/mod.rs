@@ -12,7 +12,7 @@ mod layers;
 mod linear;
 mod relu;
 mod sequential;
-mod store;
+pub(crate) mod store;
 
 pub use attention::{Activation, EncoderLayerConfig, MultiheadAttention, TransformerEncoderLayer};
 pub use layers::{

@@ -291,18 +291,7 @@ impl ParamStore {
             message,
         };
         let tensors = self.state_dict()?;
-        let views = tensors
-            .iter()
-            .map(|(name, h)| {
-                let v = safetensors::tensor::TensorView::new(
-                    st_dtype(h.ty().dtype),
-                    h.ty().shape.dims().to_vec(),
-                    h.bytes(),
-                )
-                .map_err(|e| fmt(format!("{name}: {e}")))?;
-                Ok((name.as_str(), v))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let views = safetensors_views(path, &tensors)?;
         let bytes = safetensors::serialize(views, None).map_err(|e| fmt(e.to_string()))?;
         std::fs::write(path, bytes).map_err(|e| Error::io(path, e))
     }
@@ -432,7 +421,30 @@ fn normal_tensor(n: usize, mean: f64, std: f64, seed: u64, dtype: DType) -> Resu
     Ok(t.f_to_kind(crate::backend::eager::kind_of(dtype))?)
 }
 
-fn st_dtype(d: DType) -> safetensors::Dtype {
+/// Safetensors views of named host tensors, for writing a file at `path` (named in errors).
+pub(crate) fn safetensors_views<'a>(
+    path: &std::path::Path,
+    tensors: &'a [(String, HostTensor)],
+) -> Result<Vec<(&'a str, safetensors::tensor::TensorView<'a>)>> {
+    tensors
+        .iter()
+        .map(|(name, h)| {
+            let v = safetensors::tensor::TensorView::new(
+                st_dtype(h.ty().dtype),
+                h.ty().shape.dims().to_vec(),
+                h.bytes(),
+            )
+            .map_err(|e| Error::Format {
+                path: path.to_path_buf(),
+                message: format!("tensor {name}: {e}"),
+            })?;
+            Ok((name.as_str(), v))
+        })
+        .collect()
+}
+
+/// The safetensors dtype of a kiln dtype.
+pub(crate) fn st_dtype(d: DType) -> safetensors::Dtype {
     match d {
         DType::Bool => safetensors::Dtype::BOOL,
         DType::U32 => safetensors::Dtype::U32,
@@ -440,6 +452,8 @@ fn st_dtype(d: DType) -> safetensors::Dtype {
         DType::I64 => safetensors::Dtype::I64,
         DType::F32 => safetensors::Dtype::F32,
         DType::F64 => safetensors::Dtype::F64,
+        DType::BF16 => safetensors::Dtype::BF16,
+        DType::F16 => safetensors::Dtype::F16,
     }
 }
 

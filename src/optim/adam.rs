@@ -1,9 +1,9 @@
 //! Adam and AdamW, as `torch.optim.Adam` / `torch.optim.AdamW` (single-tensor implementation).
 
-use super::{check_eager, check_update, Optimizer};
-use crate::autograd::Builder;
+use super::math::UpdateMath;
+use super::{eager_update, traced_update, Optimizer};
 use crate::error::{Error, Result};
-use crate::ir::{BinaryOp, DType, Graph, NodeId, TensorType, UnaryOp};
+use crate::ir::{Graph, NodeId, TensorType};
 
 /// `torch.optim.Adam` (weight decay as an L2 term added to the gradient):
 ///
@@ -198,81 +198,17 @@ impl Core {
         step: NodeId,
     ) -> Result<(NodeId, Vec<NodeId>)> {
         self.validate()?;
-        let pt = check_update(
+        let n = self.num_states();
+        traced_update(
             g,
             self.name,
             param,
             grad,
             state,
-            self.num_states(),
+            n,
             [lr, step],
-        )?;
-        let d = pt.dtype;
-        let mut b = Builder::new(g);
-        // Scalar factors are computed in f64, as PyTorch computes them in Python floats: in f32,
-        // `1 - 0.999^t` would lose ~1e-5 of relative precision to cancellation.
-        let lr64 = b.to_float(lr, DType::F64)?;
-        let step64 = b.to_float(step, DType::F64)?;
-        let mut p = param;
-        let mut gr = grad;
-        if self.weight_decay != 0.0 {
-            if self.decoupled {
-                // p * (1 - lr * wd)
-                let wd = b.scalar(DType::F64, self.weight_decay)?;
-                let lw = b.mul(lr64, wd)?;
-                let f = b.rsub_scalar(1.0, lw)?;
-                let f = b.convert(f, d)?;
-                let f = b.splat(f, &pt.shape)?;
-                p = b.mul(p, f)?;
-            } else {
-                let wp = b.mul_scalar(p, self.weight_decay)?;
-                gr = b.add(gr, wp)?;
-            }
-        }
-        let (m, v) = (state[0], state[1]);
-        // exp_avg.lerp_(grad, 1 - beta1), with libtorch's two-sided lerp formula.
-        let w = 1.0 - self.beta1;
-        let diff = b.sub(gr, m)?;
-        let m_new = if w < 0.5 {
-            let t = b.mul_scalar(diff, w)?;
-            b.add(m, t)?
-        } else {
-            let t = b.mul_scalar(diff, 1.0 - w)?;
-            b.sub(gr, t)?
-        };
-        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value = 1 - beta2)
-        let vb = b.mul_scalar(v, self.beta2)?;
-        let g2 = b.mul(gr, gr)?;
-        let g2 = b.mul_scalar(g2, 1.0 - self.beta2)?;
-        let v_new = b.add(vb, g2)?;
-        // Bias corrections from the step input.
-        let b1 = b.scalar(DType::F64, self.beta1)?;
-        let b2 = b.scalar(DType::F64, self.beta2)?;
-        let b1t = b.binary(BinaryOp::Pow, b1, step64)?;
-        let b2t = b.binary(BinaryOp::Pow, b2, step64)?;
-        let bc1 = b.rsub_scalar(1.0, b1t)?;
-        let bc2 = b.rsub_scalar(1.0, b2t)?;
-        let step_size = b.div(lr64, bc1)?;
-        let step_size = b.convert(step_size, d)?;
-        let bc2_sqrt = b.unary(UnaryOp::Sqrt, bc2)?;
-        let bc2_sqrt = b.convert(bc2_sqrt, d)?;
-        let mut new_state = vec![m_new, v_new];
-        let second = if self.amsgrad {
-            let vmax = b.binary(BinaryOp::Max, state[2], v_new)?;
-            new_state.push(vmax);
-            vmax
-        } else {
-            v_new
-        };
-        let sq = b.unary(UnaryOp::Sqrt, second)?;
-        let bc2s = b.splat(bc2_sqrt, &pt.shape)?;
-        let denom = b.div(sq, bc2s)?;
-        let denom = b.add_scalar(denom, self.eps)?;
-        let ratio = b.div(m_new, denom)?;
-        let ss = b.splat(step_size, &pt.shape)?;
-        let upd = b.mul(ss, ratio)?;
-        let p_new = b.sub(p, upd)?;
-        Ok((p_new, new_state))
+            |m, p, gr, st, lr, step| self.apply(m, p, gr, st, lr, step),
+        )
     }
 
     fn update_eager(
@@ -284,37 +220,78 @@ impl Core {
         step: u64,
     ) -> Result<()> {
         self.validate()?;
-        check_eager(self.name, param, grad, state, self.num_states(), step)?;
-        let _guard = tch::no_grad_guard();
-        let mut p = param.shallow_clone();
-        let mut gr = grad.shallow_clone();
+        let n = self.num_states();
+        eager_update(
+            self.name,
+            (param, grad),
+            state,
+            n,
+            (lr, step),
+            |m, p, gr, st, lr, step| self.apply(m, p, gr, st, lr, step),
+        )
+    }
+
+    /// The update, once for both executions (`torch.optim.adam._single_tensor_adam` and
+    /// AdamW's decoupled decay). Scalar factors are float64, as PyTorch's Python floats: in
+    /// float32, `1 - 0.999^t` would lose ~1e-5 of relative precision to cancellation.
+    fn apply<M: UpdateMath>(
+        &self,
+        m: &mut M,
+        param: &mut M::Tensor,
+        grad: &M::Tensor,
+        state: &mut [M::Tensor],
+        lr: M::Scalar,
+        step: M::Scalar,
+    ) -> Result<()> {
+        let one = m.constant(1.0)?;
+        let mut gr = m.alias(grad);
         if self.weight_decay != 0.0 {
+            let wd = m.constant(self.weight_decay)?;
             if self.decoupled {
-                let _ = p.f_mul_scalar_(1.0 - lr * self.weight_decay)?;
+                // param.mul_(1 - lr * weight_decay)
+                let lw = m.s_mul(lr, wd)?;
+                let f = m.s_sub(one, lw)?;
+                m.mul_(param, f)?;
             } else {
-                gr = gr.f_add(&p.f_mul_scalar(self.weight_decay)?)?;
+                gr = m.add(&gr, param, wd)?;
             }
         }
-        let _ = state[0].f_lerp_(&gr, 1.0 - self.beta1)?;
-        let _ = state[1].f_mul_scalar_(self.beta2)?;
-        let _ = state[1].f_add_(&gr.f_mul(&gr)?.f_mul_scalar(1.0 - self.beta2)?)?;
-        let t = step as f64;
-        let bc1 = 1.0 - self.beta1.powf(t);
-        let bc2 = 1.0 - self.beta2.powf(t);
-        let step_size = lr / bc1;
-        let bc2_sqrt = bc2.sqrt();
-        let second = if self.amsgrad {
-            let vmax = state[2].f_maximum(&state[1])?;
-            state[2].f_copy_(&vmax)?;
-            vmax
-        } else {
-            state[1].shallow_clone()
+        let (exp_avg, exp_avg_sq, max_exp_avg_sq) = match state {
+            [a, b] => (a, b, None),
+            [a, b, c] => (a, b, Some(c)),
+            _ => {
+                return Err(Error::Internal(format!(
+                    "{}: {} state tensors reached the update",
+                    self.name,
+                    state.len()
+                )))
+            }
         };
-        let denom = second
-            .f_sqrt()?
-            .f_div_scalar(bc2_sqrt)?
-            .f_add_scalar(self.eps)?;
-        let _ = p.f_sub_(&state[0].f_div(&denom)?.f_mul_scalar(step_size)?)?;
-        Ok(())
+        m.lerp_(exp_avg, &gr, 1.0 - self.beta1)?;
+        let beta2 = m.constant(self.beta2)?;
+        let w2 = m.constant(1.0 - self.beta2)?;
+        m.mul_(exp_avg_sq, beta2)?;
+        m.addcmul_(exp_avg_sq, &gr, &gr, w2)?;
+        let beta1 = m.constant(self.beta1)?;
+        let b1t = m.s_pow(beta1, step)?;
+        let b2t = m.s_pow(beta2, step)?;
+        let bias_correction1 = m.s_sub(one, b1t)?;
+        let bias_correction2 = m.s_sub(one, b2t)?;
+        let step_size = m.s_div(lr, bias_correction1)?;
+        let bc2_sqrt = m.s_sqrt(bias_correction2)?;
+        let second = match max_exp_avg_sq {
+            Some(max_sq) => {
+                m.maximum_(max_sq, exp_avg_sq)?;
+                m.alias(max_sq)
+            }
+            None => m.alias(exp_avg_sq),
+        };
+        let mut denom = m.sqrt(&second)?;
+        m.div_scalar_(&mut denom, bc2_sqrt)?;
+        let eps = m.constant(self.eps)?;
+        m.add_scalar_(&mut denom, eps)?;
+        let minus_one = m.constant(-1.0)?;
+        let neg_step_size = m.s_mul(step_size, minus_one)?;
+        m.addcdiv_(param, exp_avg, &denom, neg_step_size)
     }
 }

@@ -1,5 +1,7 @@
 //! Optimizers as graph builders (the third graph of a training step) and as eager in-place
-//! updates on tch tensors (the eager baseline), with PyTorch's update formulas.
+//! updates on tch tensors (the eager baseline), with PyTorch's update formulas. Each update is
+//! written once over [`math::UpdateMath`] and run both ways ([`math::EagerMath`],
+//! [`math::GraphMath`]).
 //!
 //! The learning rate and the step count are *inputs* of the optimizer graph (`f32` scalars), so
 //! a learning-rate schedule or the bias correction of Adam never recompiles anything.
@@ -11,6 +13,7 @@
 //!   parameter and state input donated to its new value.
 
 mod adam;
+pub mod math;
 mod sgd;
 
 pub use adam::{Adam, AdamW};
@@ -153,6 +156,61 @@ pub fn optimizer_graph(opt: &dyn Optimizer, params: &[TensorType]) -> Result<Gra
     }
     g.verify()?;
     Ok(g)
+}
+
+/// Traces one parameter's update into `g` (the [`Optimizer::update`] of an optimizer written
+/// over [`math::UpdateMath`]): checks the operands, then runs `apply` on a
+/// [`math::GraphMath`] with the parameter, gradient, state, learning rate and step, and returns
+/// the final handles of the parameter and the state.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn traced_update(
+    g: &mut Graph,
+    name: &str,
+    param: NodeId,
+    grad: NodeId,
+    state: &[NodeId],
+    expected_states: usize,
+    [lr, step]: [NodeId; 2],
+    apply: impl FnOnce(
+        &mut math::GraphMath<'_>,
+        &mut NodeId,
+        &NodeId,
+        &mut [NodeId],
+        NodeId,
+        NodeId,
+    ) -> Result<()>,
+) -> Result<(NodeId, Vec<NodeId>)> {
+    let pt = check_update(g, name, param, grad, state, expected_states, [lr, step])?;
+    let mut m = math::GraphMath::new(g, pt);
+    let (lr, step) = (m.scalar(lr)?, m.scalar(step)?);
+    let mut p = param;
+    let mut st = state.to_vec();
+    apply(&mut m, &mut p, &grad, &mut st, lr, step)?;
+    Ok((p, st))
+}
+
+/// Applies one parameter's update eagerly, in place (the [`Optimizer::update_eager`] of an
+/// optimizer written over [`math::UpdateMath`]): checks the operands, then runs `apply` on
+/// [`math::EagerMath`] under `no_grad`.
+pub(crate) fn eager_update(
+    name: &str,
+    (param, grad): (&tch::Tensor, &tch::Tensor),
+    state: &mut [tch::Tensor],
+    expected_states: usize,
+    (lr, step): (f64, u64),
+    apply: impl FnOnce(
+        &mut math::EagerMath,
+        &mut tch::Tensor,
+        &tch::Tensor,
+        &mut [tch::Tensor],
+        f64,
+        f64,
+    ) -> Result<()>,
+) -> Result<()> {
+    check_eager(name, param, grad, state, expected_states, step)?;
+    let _guard = tch::no_grad_guard();
+    let mut p = param.shallow_clone();
+    apply(&mut math::EagerMath, &mut p, grad, state, lr, step as f64)
 }
 
 /// Checks the operands of [`Optimizer::update`] and returns the parameter's type.

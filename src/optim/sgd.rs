@@ -1,9 +1,9 @@
 //! Stochastic gradient descent, as `torch.optim.SGD`.
 
-use super::{check_eager, check_update, Optimizer};
-use crate::autograd::Builder;
+use super::math::UpdateMath;
+use super::{eager_update, traced_update, Optimizer};
 use crate::error::{Error, Result};
-use crate::ir::{CompareOp, Graph, NodeId, TensorType};
+use crate::ir::{Graph, NodeId, TensorType};
 
 /// `torch.optim.SGD`:
 ///
@@ -94,6 +94,42 @@ impl Sgd {
     fn num_states(&self) -> usize {
         usize::from(self.momentum != 0.0)
     }
+
+    /// The update, once for both executions (`torch.optim.sgd._single_tensor_sgd`). The
+    /// momentum buffer starts as zeros; on the first step (`step <= 1`) it becomes the gradient
+    /// (`momentum * 0 + 1 * g`), later `momentum * buf + (1 - dampening) * g`.
+    fn apply<M: UpdateMath>(
+        &self,
+        m: &mut M,
+        param: &mut M::Tensor,
+        grad: &M::Tensor,
+        state: &mut [M::Tensor],
+        lr: M::Scalar,
+        step: M::Scalar,
+    ) -> Result<()> {
+        let mut d = m.alias(grad);
+        if self.weight_decay != 0.0 {
+            let wd = m.constant(self.weight_decay)?;
+            d = m.add(&d, param, wd)?;
+        }
+        if self.momentum != 0.0 {
+            let buf = &mut state[0];
+            let momentum = m.constant(self.momentum)?;
+            let one = m.constant(1.0)?;
+            let later = m.constant(1.0 - self.dampening)?;
+            let alpha = m.s_select_le(step, 1.0, one, later)?;
+            m.mul_(buf, momentum)?;
+            m.add_(buf, &d, alpha)?;
+            d = if self.nesterov {
+                m.add(&d, buf, momentum)?
+            } else {
+                m.alias(buf)
+            };
+        }
+        let minus_one = m.constant(-1.0)?;
+        let neg_lr = m.s_mul(lr, minus_one)?;
+        m.add_(param, &d, neg_lr)
+    }
 }
 
 impl Optimizer for Sgd {
@@ -115,42 +151,17 @@ impl Optimizer for Sgd {
         step: NodeId,
     ) -> Result<(NodeId, Vec<NodeId>)> {
         self.validate()?;
-        let pt = check_update(g, "sgd", param, grad, state, self.num_states(), [lr, step])?;
-        let mut b = Builder::new(g);
-        let mut d = grad;
-        if self.weight_decay != 0.0 {
-            let wp = b.mul_scalar(param, self.weight_decay)?;
-            d = b.add(d, wp)?;
-        }
-        let mut new_state = Vec::new();
-        if self.momentum != 0.0 {
-            let buf = state[0];
-            let mb = b.mul_scalar(buf, self.momentum)?;
-            let new_buf = if self.dampening == 0.0 {
-                // With zero dampening, momentum * 0 + g == g: zeros are the first-step state.
-                b.add(mb, d)?
-            } else {
-                let dd = b.mul_scalar(d, 1.0 - self.dampening)?;
-                let later = b.add(mb, dd)?;
-                let s = b.to_float(step, pt.dtype)?;
-                let one = b.scalar(pt.dtype, 1.0)?;
-                let first = b.compare(CompareOp::Le, s, one)?;
-                let first = b.splat(first, &pt.shape)?;
-                b.select(first, d, later)?
-            };
-            d = if self.nesterov {
-                let m = b.mul_scalar(new_buf, self.momentum)?;
-                b.add(d, m)?
-            } else {
-                new_buf
-            };
-            new_state.push(new_buf);
-        }
-        let lr = b.to_float(lr, pt.dtype)?;
-        let lr = b.splat(lr, &pt.shape)?;
-        let step_d = b.mul(lr, d)?;
-        let p = b.sub(param, step_d)?;
-        Ok((p, new_state))
+        let n = self.num_states();
+        traced_update(
+            g,
+            "sgd",
+            param,
+            grad,
+            state,
+            n,
+            [lr, step],
+            |m, p, gr, st, lr, step| self.apply(m, p, gr, st, lr, step),
+        )
     }
 
     fn update_eager(
@@ -162,28 +173,14 @@ impl Optimizer for Sgd {
         step: u64,
     ) -> Result<()> {
         self.validate()?;
-        check_eager("sgd", param, grad, state, self.num_states(), step)?;
-        let _guard = tch::no_grad_guard();
-        let mut d = grad.shallow_clone();
-        if self.weight_decay != 0.0 {
-            d = d.f_add(&param.f_mul_scalar(self.weight_decay)?)?;
-        }
-        if self.momentum != 0.0 {
-            let buf = &mut state[0];
-            if step <= 1 {
-                buf.f_copy_(&d)?;
-            } else {
-                let _ = buf.f_mul_scalar_(self.momentum)?;
-                let _ = buf.f_add_(&d.f_mul_scalar(1.0 - self.dampening)?)?;
-            }
-            d = if self.nesterov {
-                d.f_add(&buf.f_mul_scalar(self.momentum)?)?
-            } else {
-                buf.shallow_clone()
-            };
-        }
-        let mut p = param.shallow_clone();
-        let _ = p.f_sub_(&d.f_mul_scalar(lr)?)?;
-        Ok(())
+        let n = self.num_states();
+        eager_update(
+            "sgd",
+            (param, grad),
+            state,
+            n,
+            (lr, step),
+            |m, p, gr, st, lr, step| self.apply(m, p, gr, st, lr, step),
+        )
     }
 }

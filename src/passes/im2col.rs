@@ -76,6 +76,35 @@ where
     }
 }
 
+/// Rewrites the convolution nodes `nodes` of `graph` (chosen node by node, e.g. by the XLA
+/// backend's autotuner) into their [`im2col`] expansions, users and outputs rewired to them.
+/// Returns whether anything changed. A node that is not a two-operand `Op::Conv` is an
+/// [`Error::Graph`].
+pub fn im2col_nodes(graph: &mut Graph, nodes: &[NodeId]) -> Result<bool> {
+    for &id in nodes {
+        let n = graph
+            .get(id)
+            .ok_or_else(|| Error::Graph(format!("im2col: node {id:?} is not in the graph")))?;
+        let Op::Conv(c) = &n.op else {
+            return Err(Error::Graph(format!(
+                "im2col: node {id:?} is a {}, not a convolution",
+                n.op.name()
+            )));
+        };
+        if n.operands.len() != 2 {
+            return Err(Error::Graph(format!(
+                "im2col: convolution {id:?} has {} operands",
+                n.operands.len()
+            )));
+        }
+        let (c, x, w) = (c.clone(), n.operands[0], n.operands[1]);
+        let y = im2col(graph, &c, x, w)?;
+        graph.replace_uses(id, y)?;
+        graph.remove_unused(id);
+    }
+    Ok(!nodes.is_empty())
+}
+
 fn reshape(g: &mut Graph, x: NodeId, dims: &[usize]) -> Result<NodeId> {
     g.add(Op::Reshape(Shape::new(dims)), &[x])
 }
@@ -405,5 +434,31 @@ mod tests {
         let before = r.fingerprint();
         assert!(!Im2col::new(ungrouped_3x3).run(&mut r).unwrap());
         assert_eq!(r.fingerprint(), before);
+    }
+
+    #[test]
+    fn rewrites_chosen_nodes_and_rejects_other_nodes() {
+        let (g, inputs) = net();
+        let want = run(&g, &inputs);
+        let mut r = g.clone();
+        let grouped = r
+            .topo_order()
+            .into_iter()
+            .find(|&id| matches!(&r.node(id).op, Op::Conv(c) if c.feature_groups == 2))
+            .unwrap();
+        assert!(im2col_nodes(&mut r, &[grouped]).unwrap());
+        r.verify().unwrap();
+        let left = convs(&r);
+        assert_eq!(left.len(), 2, "{left:?}");
+        assert!(left.iter().all(|c| c.feature_groups == 1));
+        assert_close(&run(&r, &inputs), &want);
+        assert!(!im2col_nodes(&mut r, &[]).unwrap());
+        let tanh = r
+            .topo_order()
+            .into_iter()
+            .find(|&id| matches!(r.node(id).op, Op::Unary(_)))
+            .unwrap();
+        let e = im2col_nodes(&mut r, &[tanh]).unwrap_err().to_string();
+        assert!(e.contains("not a convolution"), "{e}");
     }
 }

@@ -1,15 +1,19 @@
 //! Graph-to-graph passes. Each does one thing and is tested alone; [`run_passes`] composes them
 //! to a fixpoint (luminal's `Looped` compilers, without the tuples).
 
+mod cast;
 mod cse;
 mod dce;
 mod dedup;
 mod im2col;
+mod widen;
 
+pub use cast::{autocast_graph, cast_graph};
 pub use cse::Cse;
 pub use dce::Dce;
 pub use dedup::{dedup_outputs, OutputSource};
-pub use im2col::{im2col, im2col_graph, Im2col};
+pub use im2col::{im2col, im2col_graph, im2col_nodes, Im2col};
+pub use widen::WidenHalf;
 
 use crate::error::Result;
 use crate::ir::Graph;

@@ -96,8 +96,16 @@ impl<B: Backend> ExecutableCache<B> {
     }
 
     /// The file an executable for `fp` on `backend` is stored in.
-    pub fn entry_path(&self, backend: &B, fp: &Fingerprint) -> Option<PathBuf> {
-        self.path_of(&EntryKey::new(backend, fp))
+    ///
+    /// `graph` is the graph whose fingerprint is `fp`; its [`Backend::graph_cache_key`] is part
+    /// of the key.
+    pub fn entry_path(
+        &self,
+        backend: &B,
+        graph: &Graph,
+        fp: &Fingerprint,
+    ) -> Result<Option<PathBuf>> {
+        Ok(self.path_of(&EntryKey::new(backend, graph, fp)?))
     }
 
     fn path_of(&self, key: &EntryKey) -> Option<PathBuf> {
@@ -115,7 +123,7 @@ impl<B: Backend> ExecutableCache<B> {
         fp: Fingerprint,
         metrics: &Metrics,
     ) -> Result<Arc<B::Executable>> {
-        let key = EntryKey::new(backend, &fp);
+        let key = EntryKey::new(backend, graph, &fp)?;
         if let Some(e) = self.entries.lock().get(&key) {
             metrics.cache_hit();
             return Ok(e.clone());
@@ -161,22 +169,28 @@ impl<B: Backend> ExecutableCache<B> {
 /// What an executable is cached under.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct EntryKey {
-    /// Hash of the graph fingerprint and [`Backend::cache_key`]: what the compiled code depends
-    /// on (and the on-disk file name).
+    /// Hash of the graph fingerprint, [`Backend::cache_key`] and [`Backend::graph_cache_key`]:
+    /// what the compiled code depends on (and the on-disk file name).
     code: [u8; 32],
     /// [`Backend::instance_id`]: which device context the loaded executable belongs to.
     instance: u64,
 }
 
 impl EntryKey {
-    fn new<B: Backend>(backend: &B, fp: &Fingerprint) -> Self {
+    fn new<B: Backend>(backend: &B, graph: &Graph, fp: &Fingerprint) -> Result<Self> {
         let mut h = blake3::Hasher::new();
         h.update(&fp.0);
         h.update(backend.cache_key().as_bytes());
-        EntryKey {
+        let per_graph = backend.graph_cache_key(graph, fp)?;
+        if !per_graph.is_empty() {
+            // Keys of backends without per-graph parts stay what they were.
+            h.update(b"\0");
+            h.update(per_graph.as_bytes());
+        }
+        Ok(EntryKey {
             code: *h.finalize().as_bytes(),
             instance: backend.instance_id(),
-        }
+        })
     }
 }
 

@@ -22,7 +22,7 @@
 use super::Runtime;
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
-use crate::ir::{Graph, InputKind, NodeId, Op, TensorType};
+use crate::ir::{Fingerprint, Graph, InputKind, NodeId, Op, TensorType};
 use crate::passes::{dedup_outputs, simplify, OutputSource};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -61,6 +61,9 @@ pub(crate) struct Step<B: Backend> {
     /// One per output of the step's graph before dedup: where the executable delivers it, and
     /// where it goes.
     pub(crate) routes: Vec<(OutputSource, Dest)>,
+    /// The graph `exe` was compiled from and its fingerprint (for [`crate::inspect`]).
+    pub(crate) graph: Arc<Graph>,
+    pub(crate) fingerprint: Fingerprint,
 }
 
 /// What a run of a [`Plan`] produced.
@@ -228,7 +231,7 @@ impl<B: Backend> Runtime<B> {
                 forwarded.push(match (*src, *dest) {
                     (OutputSource::Input(i), Dest::Var(v)) if step.args[i] == Arg::Var(v) => None,
                     (OutputSource::Input(i), Dest::Host(k)) => {
-                        hosts[k] = Some(self.download(args[i])?);
+                        hosts[k] = Some(self.download_result(args[i])?);
                         None
                     }
                     (OutputSource::Input(i), _) => Some(self.copy(args[i])?),
@@ -245,7 +248,7 @@ impl<B: Backend> Runtime<B> {
                     Error::Internal(format!("{} routes output {j} of {}", step.name, outs.len()))
                 })?;
                 match *dest {
-                    Dest::Host(k) => hosts[k] = Some(self.download(buf)?),
+                    Dest::Host(k) => hosts[k] = Some(self.download_result(buf)?),
                     Dest::Temp(_) | Dest::Var(_) => uses[j] += 1,
                 }
             }
@@ -285,10 +288,9 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// A new buffer with `b`'s value (through the host: the [`Backend`] trait has no device
-    /// copy).
+    /// copy), replica by replica.
     fn copy(&self, b: &B::Buffer) -> Result<B::Buffer> {
-        let h = self.download(b)?;
-        self.upload(&h)
+        self.copy_buffer(b)
     }
 }
 
@@ -399,12 +401,15 @@ impl StepBuilder {
                 "{name}: the simplified graph no longer matches its bindings"
             )));
         }
-        let exe = rt.executable(&graph, graph.fingerprint())?;
+        let fingerprint = graph.fingerprint();
+        let exe = rt.executable(&graph, fingerprint)?;
         Ok(Step {
             name,
             exe,
             args,
             routes: sources.into_iter().zip(dests).collect(),
+            graph: Arc::new(graph),
+            fingerprint,
         })
     }
 }

@@ -12,9 +12,13 @@
 mod cache;
 pub(crate) mod exec;
 mod metrics;
+mod outputs;
+pub(crate) mod shard;
 
 pub use cache::ExecutableCache;
 pub use metrics::{Metrics, Stats};
+pub use outputs::DeviceOutputs;
+pub(crate) use outputs::DeviceResult;
 
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
@@ -89,15 +93,24 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// The executable for `graph`: cached in memory, on disk, or compiled now.
+    ///
+    /// With `KILN_DUMP=DIR` set, every stage of the program is written to `DIR` the first time
+    /// this process gets it ([`crate::inspect`]).
     pub fn executable(&self, graph: &Graph, fp: Fingerprint) -> Result<Arc<B::Executable>> {
-        self.cache
-            .get_or_compile(&self.backend, graph, fp, &self.metrics)
+        let exe = self
+            .cache
+            .get_or_compile(&self.backend, graph, fp, &self.metrics)?;
+        crate::inspect::dump_if_enabled(&self.backend, graph, fp, &exe);
+        Ok(exe)
     }
 
-    /// Copies a host tensor to the device.
+    /// Copies a host tensor to the device (to every replica's device on a data-parallel
+    /// backend: one transfer each).
     pub fn upload(&self, h: &HostTensor) -> Result<B::Buffer> {
         let b = self.backend.to_device(h)?;
-        self.metrics.h2d(h.bytes().len());
+        for _ in 0..self.backend.replicas() {
+            self.metrics.h2d(h.bytes().len());
+        }
         Ok(b)
     }
 

@@ -103,10 +103,12 @@ fn dtype_of_kind(k: tch::Kind) -> Result<DType> {
         tch::Kind::Int64 => DType::I64,
         tch::Kind::Float => DType::F32,
         tch::Kind::Double => DType::F64,
+        tch::Kind::BFloat16 => DType::BF16,
+        tch::Kind::Half => DType::F16,
         other => {
             return Err(Error::Invalid(format!(
-                "tch kind {other:?} has no kiln dtype (supported: bool, i32, i64, f32, f64)"
-            )))
+            "tch kind {other:?} has no kiln dtype (supported: bool, i32, i64, f32, f64, bf16, f16)"
+        )))
         }
     })
 }
@@ -114,7 +116,7 @@ fn dtype_of_kind(k: tch::Kind) -> Result<DType> {
 impl Tensor {
     // ----- construction and access -------------------------------------------------------
 
-    /// Wraps an eager tch tensor (bool, i32, i64, f32 or f64).
+    /// Wraps an eager tch tensor (bool, i32, i64, f32, f64, bf16 or f16).
     pub fn from_tch(t: tch::Tensor) -> Result<Tensor> {
         let dtype = dtype_of_kind(t.f_kind()?)?;
         let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();

@@ -54,6 +54,13 @@ fn axis(op: &str, d: isize, rank: usize) -> Result<usize> {
 }
 
 fn axes(op: &str, ds: &[isize], rank: usize) -> Result<Vec<usize>> {
+    if rank == 0 {
+        // Dim 0 (or -1) of a scalar is accepted, as in PyTorch, but names no dimension.
+        for &d in ds {
+            axis(op, d, rank)?;
+        }
+        return Ok(Vec::new());
+    }
     let mut v = ds
         .iter()
         .map(|&d| axis(op, d, rank))
@@ -415,6 +422,12 @@ impl Tensor {
             axis("flatten", start, self.rank())?,
             axis("flatten", end, self.rank())?,
         );
+        if s > e {
+            return Err(Error::Invalid(format!(
+                "flatten: start dim {start} comes after end dim {end} (rank {})",
+                self.rank()
+            )));
+        }
         let mut dims: Vec<isize> = self.dims()[..s].iter().map(|&d| d as isize).collect();
         dims.push(self.dims()[s..=e].iter().product::<usize>() as isize);
         dims.extend(self.dims()[e + 1..].iter().map(|&d| d as isize));
@@ -432,6 +445,10 @@ impl Tensor {
     /// Removes the size-1 dim `d`.
     pub fn squeeze(&self, d: isize) -> Result<Tensor> {
         let a = axis("squeeze", d, self.rank())?;
+        if self.rank() == 0 {
+            // PyTorch: squeezing a scalar returns it.
+            return Ok(self.clone());
+        }
         if self.dims()[a] != 1 {
             return Err(Error::type_error(
                 "squeeze",
@@ -458,6 +475,9 @@ impl Tensor {
             axis("transpose", d0, self.rank())?,
             axis("transpose", d1, self.rank())?,
         );
+        if self.rank() == 0 {
+            return Ok(self.clone());
+        }
         let mut perm: Vec<usize> = (0..self.rank()).collect();
         perm.swap(a, b);
         self.permute(&perm)
@@ -471,6 +491,13 @@ impl Tensor {
     /// `self[.., start..end:step, ..]` along `dim`.
     pub fn slice(&self, dim: isize, start: usize, end: usize, step: usize) -> Result<Tensor> {
         let a = axis("slice", dim, self.rank())?;
+        if self.rank() == 0 {
+            return Err(Error::type_error(
+                "slice",
+                "cannot slice a 0-dim tensor",
+                &[&self.ty],
+            ));
+        }
         let mut s = vec![0; self.rank()];
         let mut l = self.dims().to_vec();
         let mut st = vec![1; self.rank()];
@@ -695,6 +722,9 @@ impl Tensor {
         if weight.rank() != 2
             || self.rank() == 0
             || self.dims()[self.rank() - 1] != weight.dims()[1]
+            || self.dtype() != weight.dtype()
+            || self.dtype() == DType::Bool
+            || bias.is_some_and(|b| b.dtype() != self.dtype())
         {
             let mut ops = vec![&self.ty, &weight.ty];
             if let Some(b) = bias {
@@ -702,7 +732,7 @@ impl Tensor {
             }
             return Err(Error::type_error(
                 "linear",
-                "expects x[.., in], weight[out, in], bias[out]",
+                "expects x[.., in], weight[out, in], bias[out] of one non-bool dtype",
                 &ops,
             ));
         }
@@ -741,6 +771,13 @@ impl Tensor {
     /// Softmax along `dim` (max-subtracted, numerically stable).
     pub fn softmax(&self, dim: isize) -> Result<Tensor> {
         let a = axis("softmax", dim, self.rank())?;
+        if !self.dtype().is_float() {
+            return Err(Error::type_error(
+                "softmax",
+                "expects a float tensor",
+                &[&self.ty],
+            ));
+        }
         if let (false, Repr::Eager { t, .. }) = (is_tracing(), &self.repr) {
             return Ok(Tensor::from_tch_typed(
                 t.f_softmax(a as i64, None)?,
@@ -755,6 +792,13 @@ impl Tensor {
     /// Log-softmax along `dim` (numerically stable).
     pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
         let a = axis("log_softmax", dim, self.rank())?;
+        if !self.dtype().is_float() {
+            return Err(Error::type_error(
+                "log_softmax",
+                "expects a float tensor",
+                &[&self.ty],
+            ));
+        }
         if let (false, Repr::Eager { t, .. }) = (is_tracing(), &self.repr) {
             return Ok(Tensor::from_tch_typed(
                 t.f_log_softmax(a as i64, None)?,
@@ -777,6 +821,9 @@ fn matmul_type(a: &TensorType, b: &TensorType) -> Result<TensorType> {
     let err = || Error::type_error("matmul", "inner dimensions differ", &[a, b]);
     if a.dtype != b.dtype {
         return Err(Error::type_error("matmul", "dtypes differ", &[a, b]));
+    }
+    if a.dtype == DType::Bool {
+        return Err(Error::type_error("matmul", "matmul of bool", &[a, b]));
     }
     let (ra, rb) = (a.shape.rank(), b.shape.rank());
     let k_a = a.shape.dim(ra - 1);

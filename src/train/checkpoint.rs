@@ -10,7 +10,10 @@
 //! - `optimizer.state.<parameter name>.<slot>`: the optimizer state of each trained parameter
 //!   (`momentum_buffer`, `exp_avg`, `exp_avg_sq`, ...), for the parameters that have state;
 //! - `train.step` (`i64[]`): steps taken; `train.lr` (`f64[]`): the learning rate;
-//!   `train.rng_key` (`u32[2]`): the random-number key of the next step (dropout masks).
+//!   `train.rng_key` (`u32[2]`): the random-number key of the next step (dropout masks);
+//! - with loss scaling ([`TrainStep::with_loss_scaling`]): `train.loss_scaling` (`f32[3]`):
+//!   the scale, the good steps since the last change and the steps skipped (the optimizer's
+//!   step count is `train.step` minus the skipped steps).
 //!
 //! The header's metadata holds `format` (`kiln.checkpoint`), `format_version`, `kiln_version`,
 //! `optimizer` (the optimizer's Rust type) and `mode` (the mode that wrote it; a checkpoint
@@ -22,6 +25,7 @@ use super::TrainStep;
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::ir::{DType, TensorType};
+use crate::nn::store::{safetensors_views, st_dtype};
 use crate::trace::Tensor;
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
@@ -34,17 +38,7 @@ const OPT_PREFIX: &str = "optimizer.state.";
 const STEP: &str = "train.step";
 const LR: &str = "train.lr";
 const RNG_KEY: &str = "train.rng_key";
-
-fn st_dtype(d: DType) -> safetensors::Dtype {
-    match d {
-        DType::Bool => safetensors::Dtype::BOOL,
-        DType::U32 => safetensors::Dtype::U32,
-        DType::I32 => safetensors::Dtype::I32,
-        DType::I64 => safetensors::Dtype::I64,
-        DType::F32 => safetensors::Dtype::F32,
-        DType::F64 => safetensors::Dtype::F64,
-    }
-}
+const LOSS_SCALING: &str = "train.loss_scaling";
 
 fn is_reserved(name: &str) -> bool {
     name.starts_with("optimizer.") || name.starts_with("train.")
@@ -93,19 +87,15 @@ impl<B: Backend> TrainStep<B> {
         tensors.push((STEP.into(), HostTensor::from_slice(&[], &[steps])?));
         tensors.push((LR.into(), HostTensor::from_slice(&[], &[self.lr])?));
         tensors.push((RNG_KEY.into(), self.key_var.to_host()?));
+        if let Some(sc) = &self.scaler {
+            let mut v = Vec::with_capacity(3);
+            for t in [&sc.scale, &sc.good, &sc.skipped] {
+                v.push(t.to_host()?.to_vec::<f32>()?[0]);
+            }
+            tensors.push((LOSS_SCALING.into(), HostTensor::from_slice(&[3], &v)?));
+        }
 
-        let views = tensors
-            .iter()
-            .map(|(name, h)| {
-                let v = safetensors::tensor::TensorView::new(
-                    st_dtype(h.ty().dtype),
-                    h.ty().shape.dims().to_vec(),
-                    h.bytes(),
-                )
-                .map_err(|e| fmt(format!("tensor {name}: {e}")))?;
-                Ok((name.as_str(), v))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let views = safetensors_views(path, &tensors)?;
         let meta: HashMap<String, String> = [
             ("format", FORMAT.to_string()),
             ("format_version", FORMAT_VERSION.to_string()),
@@ -187,6 +177,19 @@ impl<B: Backend> TrainStep<B> {
         let steps = u64::try_from(step).map_err(|_| fmt(format!("{STEP}: negative ({step})")))?;
         let lr = take(LR, &TensorType::scalar(DType::F64))?.to_vec::<f64>()?[0];
         let key = take(RNG_KEY, &TensorType::new(DType::U32, [2]))?;
+        // Loss-scaling state, if the checkpoint has it (a step without loss scaling ignores
+        // it, but still counts the skipped steps out of the optimizer's step count).
+        let scaling = if file.tensor(LOSS_SCALING).is_ok() {
+            Some(take(LOSS_SCALING, &TensorType::new(DType::F32, [3]))?.to_vec::<f32>()?)
+        } else {
+            None
+        };
+        let skipped = scaling.as_ref().map_or(0, |v| v[2] as u64);
+        if skipped > steps {
+            return Err(fmt(format!(
+                "{LOSS_SCALING}: {skipped} skipped steps of {steps} taken"
+            )));
+        }
         let mut unexpected: Vec<&str> = file
             .names()
             .into_iter()
@@ -259,8 +262,13 @@ impl<B: Backend> TrainStep<B> {
         self.step_var
             .assign(&Tensor::from_host(&HostTensor::from_slice(
                 &[],
-                &[steps as f64],
+                &[(steps - skipped) as f64],
             )?)?)?;
+        if let (Some(sc), Some(v)) = (&self.scaler, &scaling) {
+            for (t, &x) in [&sc.scale, &sc.good, &sc.skipped].into_iter().zip(v) {
+                t.assign(&Tensor::from_host(&HostTensor::from_slice(&[], &[x])?)?)?;
+            }
+        }
         self.key_var.assign(&Tensor::from_host(&key)?)?;
         self.lr = lr;
         self.lr_uploaded = None;

@@ -95,6 +95,19 @@ pub fn floats(shape: &[usize], dtype: DType, mut f: impl FnMut() -> f64) -> Host
     match dtype {
         DType::F32 => host(shape, &v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
         DType::F64 => host(shape, &v),
+        // Rounded once, from f64, to nearest even.
+        DType::BF16 => host(
+            shape,
+            &v.iter()
+                .map(|&x| half::bf16::from_f64(x))
+                .collect::<Vec<_>>(),
+        ),
+        DType::F16 => host(
+            shape,
+            &v.iter()
+                .map(|&x| half::f16::from_f64(x))
+                .collect::<Vec<_>>(),
+        ),
         d => panic!("floats of {d}"),
     }
 }

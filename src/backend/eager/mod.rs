@@ -25,6 +25,8 @@ pub fn kind_of(d: DType) -> Kind {
         DType::I32 => Kind::Int,
         DType::F32 => Kind::Float,
         DType::F64 => Kind::Double,
+        DType::BF16 => Kind::BFloat16,
+        DType::F16 => Kind::Half,
     }
 }
 
@@ -150,6 +152,12 @@ pub fn eval_op(
             select_and_scatter(attrs, args[0], args[1], arg_types[0], arg_types[1])?
         }
         Op::Conv(c) => conv(c, args[0], args[1], arg_types[0])?,
+        // The interpreter runs one replica: combining it with itself alone is the identity.
+        Op::AllReduce(_) => args[0].f_contiguous()?.copy(),
+        // Nothing to gather (the type rule rejects a non-empty result from an empty axis).
+        Op::Take { .. } if out.shape.numel() == 0 => {
+            Tensor::f_zeros(out.shape.to_i64(), (kind_of(out.dtype), tch::Device::Cpu))?
+        }
         Op::Take { axis } => {
             let x = args[0];
             let n = arg_types[0].shape.dim(*axis) as i64;
@@ -159,6 +167,12 @@ pub fn eval_op(
                 .f_reshape([-1])?;
             x.f_index_select(*axis as i64, &idx)?
                 .f_reshape(out.shape.to_i64())?
+        }
+        // No updates, or nowhere to add them (libtorch's index_add rejects both).
+        Op::ScatterAdd { .. }
+            if arg_types[0].shape.numel() == 0 || arg_types[2].shape.numel() == 0 =>
+        {
+            args[0].shallow_clone()
         }
         Op::ScatterAdd { axis } => {
             let (base, ty) = (args[0], arg_types[0]);
@@ -450,8 +464,8 @@ fn windows(x: &Tensor, w: &WindowAttrs, value: &Tensor) -> Result<Tensor> {
 fn identity(kind: ReduceKind, d: DType) -> Result<Tensor> {
     let t = match (kind, d) {
         (ReduceKind::Sum, _) => return scalar_like(0.0, d),
-        (ReduceKind::Max, DType::F32 | DType::F64) => return scalar_like(f64::NEG_INFINITY, d),
-        (ReduceKind::Min, DType::F32 | DType::F64) => return scalar_like(f64::INFINITY, d),
+        (ReduceKind::Max, d) if d.is_float() => return scalar_like(f64::NEG_INFINITY, d),
+        (ReduceKind::Min, d) if d.is_float() => return scalar_like(f64::INFINITY, d),
         (ReduceKind::Max, DType::I32) => Tensor::f_from_slice(&[i32::MIN])?,
         (ReduceKind::Min, DType::I32) => Tensor::f_from_slice(&[i32::MAX])?,
         (ReduceKind::Max, DType::I64) => Tensor::f_from_slice(&[i64::MIN])?,
@@ -504,6 +518,13 @@ fn select_and_scatter(
     xt: &TensorType,
     st: &TensorType,
 ) -> Result<Tensor> {
+    if xt.shape.numel() == 0 || st.shape.numel() == 0 {
+        // No source elements to scatter (and the reshapes below cannot infer sizes of 0).
+        return Ok(Tensor::f_zeros(
+            xt.shape.to_i64(),
+            (kind_of(xt.dtype), tch::Device::Cpu),
+        )?);
+    }
     let n = w.window.len();
     let (batch, chan) = (xt.shape.dim(0) as i64, xt.shape.dim(1) as i64);
     let out_sp: Vec<i64> = (0..n).map(|k| st.shape.dim(k + 2) as i64).collect();

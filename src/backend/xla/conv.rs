@@ -7,10 +7,13 @@
 //! matrix product over gathered patches runs through XLA's matmul path, which is on par with
 //! libtorch. [`ConvStrategy`] decides per `Op::Conv` node, from its attributes and operand
 //! types, which [`ConvLowering`] it gets; [`ConvStrategy::Auto`] is the measured default (see
-//! [`ConvStrategy::auto_rule`]). The backend applies the choice as a graph rewrite
-//! ([`Backend::rewrite`](crate::backend::Backend::rewrite) with the
-//! [`Im2col`](crate::passes::Im2col) pass) before the graph is fingerprinted and compiled; the
-//! emitter writes every convolution left in the graph as one `stablehlo.convolution`.
+//! [`ConvStrategy::auto_rule`]; with autotune on, [`super::autotune`] times both instead).
+//! The backend applies the choice as a graph rewrite
+//! ([`Backend::rewrite`](crate::backend::Backend::rewrite) with
+//! [`im2col_nodes`](crate::passes::im2col_nodes)) before the graph is fingerprinted and
+//! compiled; the emitter writes every convolution left in the graph as one
+//! `stablehlo.convolution`, or as a call to kiln's libtorch kernel where
+//! [`FfiMode`](super::FfiMode) (or autotune) picks it (those are never rewritten to im2col).
 
 use crate::ir::{ConvAttrs, TensorType};
 use std::fmt;

@@ -10,7 +10,7 @@
 //! scatter-add). Graph-level rewrites (the im2col convolutions) are not done here but on the
 //! graph beforehand ([`crate::backend::Backend::rewrite`]).
 
-use super::kernels::{self, FfiLowering, FfiMode};
+use super::kernels::{self, FfiLowering, FfiMode, FfiSelect};
 use crate::error::{Error, Result};
 use crate::ir::{
     BinaryOp, CompareOp, ConvAttrs, DType, DotDims, Graph, Literal, Node, NodeId, Op, ReduceKind,
@@ -28,6 +28,8 @@ pub fn element_type(d: DType) -> &'static str {
         DType::I64 => "i64",
         DType::F32 => "f32",
         DType::F64 => "f64",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
     }
 }
 
@@ -70,6 +72,7 @@ fn scalar_value(lit: &Literal, i: usize) -> String {
         DType::I64 => i64::from_le_bytes(lit.element_bytes(i)).to_string(),
         DType::F32 => format!("0x{:08X}", u32::from_le_bytes(lit.element_bytes(i))),
         DType::F64 => format!("0x{:016X}", u64::from_le_bytes(lit.element_bytes(i))),
+        DType::BF16 | DType::F16 => format!("0x{:04X}", u16::from_le_bytes(lit.element_bytes(i))),
     }
 }
 
@@ -77,7 +80,11 @@ fn dense(lit: &Literal) -> String {
     let d = lit.ty().dtype;
     let s = d.size_in_bytes();
     let b = lit.bytes();
-    if !b.is_empty() && b.chunks(s).all(|c| c == &b[..s]) {
+    if b.is_empty() {
+        // An empty tensor: nested brackets would imply a shape (`[]` is `[0]`).
+        return "dense<>".to_string();
+    }
+    if b.chunks(s).all(|c| c == &b[..s]) {
         return format!("dense<{}>", scalar_value(lit, 0));
     }
     if d == DType::Bool {
@@ -113,8 +120,8 @@ fn nest(vals: &[&str], dims: &[usize]) -> String {
 fn identity_literal(kind: ReduceKind, d: DType) -> Literal {
     match (kind, d) {
         (ReduceKind::Sum, _) => Literal::scalar(d, 0.0),
-        (ReduceKind::Max, DType::F32 | DType::F64) => Literal::scalar(d, f64::NEG_INFINITY),
-        (ReduceKind::Min, DType::F32 | DType::F64) => Literal::scalar(d, f64::INFINITY),
+        (ReduceKind::Max, d) if d.is_float() => Literal::scalar(d, f64::NEG_INFINITY),
+        (ReduceKind::Min, d) if d.is_float() => Literal::scalar(d, f64::INFINITY),
         (ReduceKind::Max, DType::I32) => Literal::scalar(d, i32::MIN as f64),
         (ReduceKind::Min, DType::I32) => Literal::scalar(d, i32::MAX as f64),
         (ReduceKind::Max, DType::I64) => Literal::scalar(d, i64::MIN as f64),
@@ -184,7 +191,7 @@ fn compare_dir(c: CompareOp) -> &'static str {
 
 fn compare_type(d: DType) -> &'static str {
     match d {
-        DType::F32 | DType::F64 => "FLOAT",
+        DType::BF16 | DType::F16 | DType::F32 | DType::F64 => "FLOAT",
         DType::Bool | DType::U32 => "UNSIGNED",
         DType::I32 | DType::I64 => "SIGNED",
     }
@@ -201,9 +208,13 @@ struct Emitter<'g> {
     out: String,
     /// The SSA name of each node written so far.
     names: HashMap<NodeId, String>,
-    /// Which convolutions and dots become libtorch custom calls (already `Off` when the
-    /// plugin cannot run them).
-    ffi: FfiMode,
+    /// Which convolutions and dots become libtorch custom calls (none when the plugin cannot
+    /// run them).
+    ffi: &'g dyn FfiSelect,
+    /// Replicas the module is compiled for (the groups of `Op::AllReduce`).
+    replicas: usize,
+    /// Cross-replica ops written so far (each gets its own channel).
+    channels: usize,
 }
 
 impl<'g> Emitter<'g> {
@@ -579,6 +590,27 @@ impl<'g> Emitter<'g> {
         );
     }
 
+    /// `AllReduce`: one `stablehlo.all_reduce` over a single group of every replica.
+    fn all_reduce(&mut self, res: &str, kind: ReduceKind, x: &str, n: &Node) {
+        // The plain combiner: XLA's collectives accept only a single add/max/min as their
+        // computation, not the NaN-propagating select chain `region` writes for float max/min.
+        let s = tensor_type(&TensorType::scalar(n.ty.dtype));
+        let (op, p) = (reducer_op(kind), format!("{res}_body"));
+        let region = format!(
+            "{{\n    ^bb0({p}_a: {s}, {p}_b: {s}):\n      {p}_r = \"{op}\"({p}_a, {p}_b) : ({s}, {s}) -> {s}\n      \"stablehlo.return\"({p}_r) : ({s}) -> ()\n    }}"
+        );
+        let group: Vec<String> = (0..self.replicas).map(|r| r.to_string()).collect();
+        self.channels += 1;
+        let ty = tensor_type(&n.ty);
+        let _ = writeln!(
+            self.out,
+            "    {res} = \"stablehlo.all_reduce\"({x}) ({region}) {{replica_groups = dense<[[{}]]> : tensor<1x{}xi64>, channel_handle = #stablehlo.channel_handle<handle = {}, type = 0>}} : ({ty}) -> {ty}",
+            group.join(", "),
+            self.replicas,
+            self.channels,
+        );
+    }
+
     /// Writes node `id` (its operands are written already).
     fn node(&mut self, id: NodeId) {
         let n = self.g.node(id);
@@ -599,6 +631,12 @@ impl<'g> Emitter<'g> {
                 return;
             }
             Lowering::Constant(lit) => self.constant(&res, lit),
+            Lowering::Empty => {
+                let _ = writeln!(
+                    self.out,
+                    "    {res} = \"stablehlo.constant\"() {{value = dense<> : {out_ty}}} : () -> {out_ty}"
+                );
+            }
             Lowering::Op(op, attrs) => {
                 let args: Vec<&str> = args.iter().map(String::as_str).collect();
                 self.generic(&res, op, &args, &arg_tys, &attrs, &out_ty)
@@ -622,6 +660,7 @@ impl<'g> Emitter<'g> {
                 self.select_and_scatter(&res, w, &args[0], xt, &args[1], st);
             }
             Lowering::ScatterAdd(axis) => self.scatter_add(&res, axis, &args, n),
+            Lowering::AllReduce(kind) => self.all_reduce(&res, kind, &args[0], n),
         }
         self.names.insert(id, res);
     }
@@ -634,6 +673,9 @@ enum Lowering<'g> {
     Argument(usize),
     /// A `stablehlo.constant`.
     Constant(&'g Literal),
+    /// A result without elements: an empty constant. Nothing needs computing, and some ops
+    /// cannot be emitted then (a gather from an empty axis has no valid slice size).
+    Empty,
     /// One StableHLO op applied to the node's operands, with these attributes (`key = value`
     /// pairs, empty for none), yielding the node's type.
     Op(&'static str, String),
@@ -647,6 +689,8 @@ enum Lowering<'g> {
     SelectAndScatter(&'g WindowAttrs),
     /// A clamped scatter-add ([`Emitter::scatter_add`]).
     ScatterAdd(usize),
+    /// A cross-replica reduction ([`Emitter::all_reduce`]).
+    AllReduce(ReduceKind),
 }
 
 /// The lowering table: for each op, the StableHLO op and attributes it becomes, or which
@@ -656,6 +700,7 @@ fn lowering<'g>(g: &Graph, n: &'g Node) -> Lowering<'g> {
     let one = |op, attrs: String| Lowering::Op(op, attrs);
     match &n.op {
         Op::Input(i) => Lowering::Argument(*i),
+        _ if n.ty.shape.numel() == 0 => Lowering::Empty,
         Op::Constant(lit) => Lowering::Constant(lit),
         Op::Iota { dim, .. } => one("stablehlo.iota", format!("iota_dimension = {dim} : i64")),
         Op::Unary(u) => one(unary_name(*u), String::new()),
@@ -723,6 +768,7 @@ fn lowering<'g>(g: &Graph, n: &'g Node) -> Lowering<'g> {
         Op::ReduceWindow { kind, attrs } => Lowering::ReduceWindow(*kind, attrs),
         Op::SelectAndScatter(attrs) => Lowering::SelectAndScatter(attrs),
         Op::ScatterAdd { axis } => Lowering::ScatterAdd(*axis),
+        Op::AllReduce(kind) => Lowering::AllReduce(*kind),
     }
 }
 
@@ -836,11 +882,33 @@ pub fn lower(graph: &Graph) -> Result<String> {
 /// the transposes they absorb) become custom calls to kiln's libtorch kernels
 /// ([`super::kernels`]); the caller must have checked that the plugin runs them.
 pub fn lower_with_ffi(graph: &Graph, ffi: FfiMode) -> Result<String> {
+    lower_with(graph, &ffi)
+}
+
+/// Lowers `graph` like [`lower`], with `ffi` choosing which convolutions and dots (and the
+/// transposes they absorb) become custom calls to kiln's libtorch kernels: an [`FfiMode`]'s
+/// rule or an explicit set of nodes. The caller must have checked that the plugin runs them.
+pub fn lower_with(graph: &Graph, ffi: &dyn FfiSelect) -> Result<String> {
+    lower_replicated(graph, ffi, 1)
+}
+
+/// Lowers `graph` like [`lower_with`] for a program run by `replicas` data-parallel
+/// replicas (`mhlo.num_replicas`; every `Op::AllReduce` combines all of them). Compile the
+/// text with the same replica count in the compile options
+/// ([`super::pjrt::compile_options_bytes_for`]).
+pub fn lower_replicated(graph: &Graph, ffi: &dyn FfiSelect, replicas: usize) -> Result<String> {
+    if replicas == 0 {
+        return Err(Error::Invalid(
+            "a program needs at least one replica".into(),
+        ));
+    }
     let mut e = Emitter {
         g: graph,
         out: String::new(),
         names: HashMap::new(),
         ffi,
+        replicas,
+        channels: 0,
     };
     let alias_of: HashMap<usize, usize> = graph.aliases().iter().copied().collect();
     let mut params = Vec::new();
@@ -854,7 +922,7 @@ pub fn lower_with_ffi(graph: &Graph, ffi: FfiMode) -> Result<String> {
     let out_tys: Vec<String> = graph.output_types().iter().map(tensor_type).collect();
     let _ = writeln!(
         e.out,
-        "module @kiln attributes {{mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32}} {{\n  func.func public @main({}) -> ({}) {{",
+        "module @kiln attributes {{mhlo.num_partitions = 1 : i32, mhlo.num_replicas = {replicas} : i32}} {{\n  func.func public @main({}) -> ({}) {{",
         params.join(", "),
         out_tys.join(", ")
     );
@@ -931,6 +999,29 @@ mod tests {
             text.contains("-> (tensor<2x4xf32>, tensor<3x4xf32>)"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn all_reduce_spans_every_replica_with_its_own_channel() {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", TensorType::new(DType::F32, [2]));
+        let a = g.add(Op::AllReduce(ReduceKind::Sum), &[x]).unwrap();
+        let b = g.add(Op::AllReduce(ReduceKind::Max), &[a]).unwrap();
+        g.set_outputs(vec![b]).unwrap();
+        let text = lower_replicated(&g, &FfiMode::Off, 4).unwrap();
+        assert!(text.contains("mhlo.num_replicas = 4 : i32"), "{text}");
+        assert_eq!(
+            text.matches("replica_groups = dense<[[0, 1, 2, 3]]> : tensor<1x4xi64>")
+                .count(),
+            2,
+            "{text}"
+        );
+        assert!(
+            text.contains("handle = 1,") && text.contains("handle = 2,"),
+            "{text}"
+        );
+        assert!(lower(&g).unwrap().contains("mhlo.num_replicas = 1 : i32"));
+        assert!(lower_replicated(&g, &FfiMode::Off, 0).is_err());
     }
 
     #[test]

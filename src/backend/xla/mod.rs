@@ -6,19 +6,27 @@
 //! at build time through `.cargo/config.toml`). Any plugin with the same C API works, including
 //! GPU ones; nothing here assumes a CPU.
 
+pub mod autotune;
 pub mod conv;
+mod hlo;
 pub mod kernels;
 pub mod lower;
 pub mod pjrt;
+mod replicated;
 
+pub use autotune::{Autotune, Lowering, NodeChoice};
 pub use conv::{ConvLowering, ConvRule, ConvStrategy};
 pub use kernels::FfiMode;
 pub use pjrt::OptionValue;
+pub use replicated::{Replicated, ReplicatedBuffer};
 
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
-use crate::ir::{ConvAttrs, DType, Graph, Op, TensorType};
-use crate::passes::{Im2col, Pass};
+use crate::ir::{DType, Fingerprint, Graph, NodeId, TensorType};
+use crate::passes::{im2col_nodes, Pass, WidenHalf};
+use autotune::{Caps, GraphChoice, Source, Tuner, Variant};
+use parking_lot::Mutex;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -50,6 +58,8 @@ fn element_type(d: DType) -> pjrt::ElementType {
         DType::I64 => pjrt::ElementType::S64,
         DType::F32 => pjrt::ElementType::F32,
         DType::F64 => pjrt::ElementType::F64,
+        DType::BF16 => pjrt::ElementType::BF16,
+        DType::F16 => pjrt::ElementType::F16,
     }
 }
 
@@ -102,6 +112,29 @@ impl XlaExecutable {
     pub fn raw(&self) -> &pjrt::LoadedExecutable {
         &self.exe
     }
+
+    /// The plugin's optimized program as a serialized `xla.HloModuleProto` (what XLA's own
+    /// tools read), from `PJRT_Executable_OptimizedProgram`.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] if the plugin does not implement
+    /// `PJRT_Executable_OptimizedProgram` or answers in a format other than HLO;
+    /// [`Error::Pjrt`] if it refuses.
+    pub fn optimized_hlo_proto(&self) -> Result<Vec<u8>> {
+        let (format, code) = self.exe.optimized_program()?;
+        hlo::module_bytes(&format, &code)
+    }
+
+    /// The plugin's optimized program in HLO text syntax: the module after XLA's passes
+    /// (fusions, layouts, the custom calls it kept), as kiln prints it from
+    /// [`XlaExecutable::optimized_hlo_proto`] (structure, shapes, layouts, operands and the
+    /// ops' attributes; sharding and frontend attributes are left out).
+    ///
+    /// # Errors
+    /// As [`XlaExecutable::optimized_hlo_proto`].
+    pub fn optimized_hlo(&self) -> Result<String> {
+        hlo::module_text(&self.optimized_hlo_proto()?)
+    }
 }
 
 /// How the XLA backend compiles: XLA debug options passed to the plugin with every compile,
@@ -135,10 +168,18 @@ pub struct XlaOptions {
     /// Which convolutions and dots run as libtorch kernels inside the executable
     /// ([`kernels`]); ignored (pure XLA) when the plugin cannot run them.
     pub ffi: FfiMode,
+    /// Whether each convolution's and dot's lowering is chosen by timing the candidates
+    /// ([`autotune`]) or by the rules of `conv` and `ffi`. Measurement only chooses where the
+    /// options leave a choice: not under [`FfiMode::All`], and between XLA and im2col only
+    /// under [`ConvStrategy::Auto`].
+    pub autotune: Autotune,
 }
 
 impl Default for XlaOptions {
-    /// The measured defaults: no debug option overrides and [`ConvStrategy::Auto`].
+    /// The measured defaults: no debug option overrides, [`ConvStrategy::Auto`] and
+    /// [`FfiMode::Auto`] (libtorch kernels for the convolutions and dots where the
+    /// measurements favour them; pure XLA on a plugin that cannot run them), and
+    /// [`Autotune::default`] (off unless `KILN_AUTOTUNE=on`: the rules decide).
     ///
     /// On the CPU plugin (xla-cpu-pjrt 0.0.1) none of `xla_cpu_use_xnnpack` (true/false),
     /// `xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_GREEDY`,
@@ -151,7 +192,8 @@ impl Default for XlaOptions {
         XlaOptions {
             debug_options: Vec::new(),
             conv: ConvStrategy::Auto,
-            ffi: FfiMode::Off,
+            ffi: FfiMode::Auto,
+            autotune: Autotune::default(),
         }
     }
 }
@@ -164,7 +206,14 @@ impl XlaOptions {
             debug_options: Vec::new(),
             conv: ConvStrategy::Direct,
             ffi: FfiMode::Off,
+            autotune: Autotune::off(),
         }
+    }
+
+    /// Sets how lowerings are chosen: by measurement or by rule ([`Autotune`]).
+    pub fn autotune(mut self, autotune: Autotune) -> Self {
+        self.autotune = autotune;
+        self
     }
 
     /// Sets which convolutions and dots run as libtorch kernels ([`FfiMode`]).
@@ -215,6 +264,13 @@ struct Inner {
     platform: String,
     platform_version: String,
     api_version: (i32, i32),
+    /// Autotune's choices (shared by every options set: keys include the compile options).
+    tuner: Mutex<Tuner>,
+    /// [`Backend::graph_cache_key`] by graph fingerprint and [`Backend::cache_key`]: choices
+    /// never change within a process once made, so neither does a graph's key.
+    graph_keys: Mutex<HashMap<(Fingerprint, String), String>>,
+    /// Under autotune, each graph's rewrite by its fingerprint and [`Backend::cache_key`].
+    rewrites: Mutex<HashMap<(Fingerprint, String), Graph>>,
 }
 
 impl XlaBackend {
@@ -225,9 +281,28 @@ impl XlaBackend {
 
     /// The backend on the plugin at `path`.
     pub fn from_plugin(path: impl AsRef<Path>) -> Result<Self> {
+        Self::from_plugin_with(path, &[])
+    }
+
+    /// The backend on the plugin at `path`, its client created with plugin-specific options
+    /// ([`pjrt::Client::with_options`]); e.g. more CPU devices for
+    /// [`XlaBackend::replicated`]:
+    ///
+    /// ```no_run
+    /// # use kiln::backend::xla::{default_plugin_path, pjrt::NamedValue, XlaBackend};
+    /// # fn main() -> kiln::Result<()> {
+    /// let opts = [("cpu_device_count".to_string(), NamedValue::Int(8))];
+    /// let eight = XlaBackend::from_plugin_with(default_plugin_path()?, &opts)?.replicated(8)?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn from_plugin_with(
+        path: impl AsRef<Path>,
+        options: &[(String, pjrt::NamedValue)],
+    ) -> Result<Self> {
         let path = path.as_ref();
         let api = pjrt::Api::load(path)?;
-        let client = pjrt::Client::new(&api)?;
+        let client = pjrt::Client::with_options(&api, options)?;
         let platform = client.platform_name()?;
         let platform_version = client.platform_version()?;
         let api_version = api.version();
@@ -241,6 +316,9 @@ impl XlaBackend {
                 platform,
                 platform_version,
                 api_version,
+                tuner: Mutex::new(Tuner::default()),
+                graph_keys: Mutex::new(HashMap::new()),
+                rewrites: Mutex::new(HashMap::new()),
             }),
             options: Arc::new(XlaOptions::default()),
             option_bytes: Arc::new(XlaOptions::default().compile_options_bytes()),
@@ -264,37 +342,424 @@ impl XlaBackend {
     /// Lowers `graph` to the StableHLO text [`Backend::compile`] compiles.
     ///
     /// The graph may be rewritten ([`Backend::rewrite`], as kiln's runtime does before
-    /// fingerprinting) or not: a convolution this backend's [`ConvStrategy`] sends to im2col
-    /// is rewritten here on a copy first. The rewrite is idempotent, so both give the same text.
-    /// Convolutions and dots become calls to kiln's libtorch kernels where the options' FFI
-    /// mode picks them and the plugin runs them ([`XlaBackend::effective_ffi`]).
+    /// fingerprinting) or not: a graph this backend did not rewrite is rewritten here on a
+    /// copy first. The rewrite is idempotent, so both give the same text. Convolutions and
+    /// dots become calls to kiln's libtorch kernels where their chosen lowering is
+    /// [`Lowering::Ffi`] (see [`XlaBackend::choices`]).
     pub fn lower(&self, graph: &Graph) -> Result<String> {
-        let ffi = self.effective_ffi();
-        if self.needs_rewrite(graph) {
+        let tuning = self.autotuning();
+        let variant = match tuning.then(|| self.rewritten_variant(&graph.fingerprint())) {
+            Some(Some(v)) => v,
+            Some(None) => {
+                let mut g = graph.clone();
+                self.rewrite(&mut g)?;
+                let v = self
+                    .rewritten_variant(&g.fingerprint())
+                    .unwrap_or(Variant::Tuned);
+                let choices = self.variant_choices(&g, v, &|_| false)?;
+                return lower::lower_with(&g, &ffi_nodes(&choices));
+            }
+            None => Variant::Rule,
+        };
+        let choices = self.variant_choices(graph, variant, &|_| false)?;
+        let widen = graph
+            .petgraph()
+            .node_indices()
+            .any(|id| WidenHalf::picks(graph, id));
+        if widen || choices.iter().any(|c| c.1 == Lowering::Im2col) {
             let mut g = graph.clone();
-            self.rewrite(&mut g)?;
-            lower::lower_with_ffi(&g, ffi)
+            WidenHalf.run(&mut g)?;
+            self.apply_variant(&mut g, variant, &|_| false)?;
+            let choices = self.variant_choices(&g, variant, &|_| false)?;
+            lower::lower_with(&g, &ffi_nodes(&choices))
         } else {
-            lower::lower_with_ffi(graph, ffi)
+            lower::lower_with(graph, &ffi_nodes(&choices))
         }
     }
 
-    /// Does `graph` hold a convolution the strategy lowers as im2col?
-    fn needs_rewrite(&self, graph: &Graph) -> bool {
-        let picks = self.im2col_picks();
-        graph.petgraph().node_weights().any(|n| match &n.op {
-            Op::Conv(c) => picks(
-                c,
-                &graph.node(n.operands[0]).ty,
-                &graph.node(n.operands[1]).ty,
-            ),
-            _ => false,
-        })
+    /// The variant a graph with fingerprint `fp` was rewritten under by this backend (its
+    /// client, under these options; under autotune).
+    fn rewritten_variant(&self, fp: &Fingerprint) -> Option<Variant> {
+        let key = (*fp, self.cache_key());
+        self.inner.tuner.lock().rewritten.get(&key).copied()
     }
 
-    /// The [`Im2col`] pass's selection: the convolutions the strategy lowers as im2col.
-    fn im2col_picks(&self) -> impl Fn(&ConvAttrs, &TensorType, &TensorType) -> bool + '_ {
-        |c, x, w| self.options.conv.choose(c, x, w) == ConvLowering::Im2col
+    /// The directory autotune's choices are stored in, if any.
+    fn tune_dir(&self) -> Option<&Path> {
+        let s = &self.options.autotune;
+        s.dir.as_deref().filter(|_| s.enabled)
+    }
+
+    /// What the options leave to choose on this plugin.
+    fn caps(&self) -> Caps {
+        Caps {
+            ffi: self.effective_ffi(),
+            conv: self.options.conv.clone(),
+        }
+    }
+
+    /// Are lowerings chosen by measurement (autotune on, and the options leave a choice)?
+    pub fn autotuning(&self) -> bool {
+        self.options.autotune.enabled && self.caps().tunable()
+    }
+
+    /// The lowering of every convolution and dot of `graph` (by node, in topological order):
+    /// measured ([`autotune`]; measuring the sites not measured before, within the autotune
+    /// budget) or by rule.
+    ///
+    /// These are the per-node choices; under autotune the rewrite then checks whole graphs
+    /// and may use the rule's or pure XLA's choices instead (see
+    /// [`XlaBackend::autotune_graph_report`]).
+    pub fn choices(&self, graph: &Graph) -> Result<Vec<(NodeId, Lowering)>> {
+        let v = if self.autotuning() {
+            Variant::Tuned
+        } else {
+            Variant::Rule
+        };
+        Ok(self
+            .variant_choices(graph, v, &|_| false)?
+            .into_iter()
+            .map(|(n, l, _)| (n, l))
+            .collect())
+    }
+
+    /// The choices of `variant` for `graph`'s nodes, with site keys, adding the nodes
+    /// `report` accepts to the autotune report.
+    fn variant_choices(
+        &self,
+        graph: &Graph,
+        variant: Variant,
+        report: &dyn Fn(NodeId) -> bool,
+    ) -> Result<Vec<autotune::Chosen>> {
+        // The FFI self-test compiles and runs a graph: before taking the tuner's lock.
+        let mut caps = self.caps();
+        let mut settings = self.options.autotune.clone();
+        match variant {
+            Variant::Tuned => {}
+            Variant::Rule => settings.enabled = false,
+            Variant::PureXla => {
+                settings.enabled = false;
+                caps.ffi = FfiMode::Off;
+            }
+        }
+        let settings = &settings;
+        // Only measured choices need the context (keys); the rule runs on every traced call.
+        let context = if settings.enabled && caps.tunable() {
+            autotune::context(&self.plugin_id(), &self.option_bytes)
+        } else {
+            String::new()
+        };
+        let mut tuner = self.inner.tuner.lock();
+        let dir = self.tune_dir();
+        if let Some(d) = dir {
+            tuner.load(d);
+        }
+        let reps = settings.reps.max(1);
+        let mut timer = |g: &Graph, node: NodeId, l: Lowering, cap: f64| {
+            self.time_lowering(g, node, l, reps, cap)
+        };
+        let choices = tuner.choose(graph, &caps, settings, &context, &mut timer, report)?;
+        if let Some(d) = dir {
+            tuner.save(d);
+        }
+        Ok(choices)
+    }
+
+    /// Rewrites the convolutions `variant` lowers as im2col, then chooses for the dots that
+    /// makes (reporting the nodes `report` accepts).
+    fn apply_variant(
+        &self,
+        graph: &mut Graph,
+        variant: Variant,
+        report: &dyn Fn(NodeId) -> bool,
+    ) -> Result<()> {
+        let choices = self.variant_choices(graph, variant, &|_| false)?;
+        let im2col: Vec<NodeId> = choices
+            .iter()
+            .filter(|c| c.1 == Lowering::Im2col)
+            .map(|c| c.0)
+            .collect();
+        if im2col_nodes(graph, &im2col)? {
+            self.variant_choices(graph, variant, report)?;
+        }
+        Ok(())
+    }
+
+    /// Under autotune, which set of choices `graph` (not yet rewritten) is compiled with:
+    /// the measured per-node choices, unless the whole graph runs faster under the rule's or
+    /// pure XLA's (timed here when the sets differ and the graph is new).
+    fn graph_variant(&self, graph: &Graph) -> Result<Variant> {
+        let fp = graph.fingerprint();
+        // Report each graph's choices once, not on every traced call.
+        let first = self.inner.tuner.lock().reported.insert(fp);
+        let tuned = self.variant_choices(graph, Variant::Tuned, &|_| first)?;
+        let rule = self.variant_choices(graph, Variant::Rule, &|_| false)?;
+        let pure = self.variant_choices(graph, Variant::PureXla, &|_| false)?;
+        let plain = |c: &[autotune::Chosen]| -> Vec<(NodeId, Lowering)> {
+            c.iter().map(|x| (x.0, x.1)).collect()
+        };
+        let mut distinct: Vec<(Variant, Vec<(NodeId, Lowering)>)> = Vec::new();
+        for (v, c) in [
+            (Variant::Tuned, plain(&tuned)),
+            (Variant::Rule, plain(&rule)),
+            (Variant::PureXla, plain(&pure)),
+        ] {
+            if !distinct.iter().any(|d| d.1 == c) {
+                distinct.push((v, c));
+            }
+        }
+        if distinct.len() == 1 || !self.options.autotune.check_graphs {
+            return Ok(Variant::Tuned);
+        }
+        let mut h = blake3::Hasher::new();
+        h.update(b"kiln-autotune-graph-v1\0");
+        h.update(autotune::context(&self.plugin_id(), &self.option_bytes).as_bytes());
+        h.update(&fp.0);
+        for (v, c) in &distinct {
+            h.update(v.name().as_bytes());
+            for (n, l) in c {
+                h.update(&n.index().to_le_bytes());
+                h.update(l.name().as_bytes());
+            }
+        }
+        let key = *h.finalize().as_bytes();
+        let nodes = tuned.len();
+        {
+            let mut t = self.inner.tuner.lock();
+            if let Some(dir) = self.tune_dir() {
+                t.load(dir);
+            }
+            if let Some(c) = t.graphs.get(&key).cloned() {
+                if first {
+                    t.graph_report.push(GraphChoice {
+                        source: Source::Cached,
+                        ..c.clone()
+                    });
+                }
+                return Ok(c.variant);
+            }
+        }
+        let started = std::time::Instant::now();
+        let millis = self.time_variants(graph, &distinct)?;
+        let variant = autotune::decide_variant(&millis).unwrap_or(Variant::Tuned);
+        let mut t = self.inner.tuner.lock();
+        t.spent += started.elapsed();
+        t.record_graph(
+            key,
+            GraphChoice {
+                nodes,
+                variant,
+                source: Source::Measured,
+                millis,
+            },
+        );
+        if let Some(dir) = self.tune_dir() {
+            t.save(dir);
+        }
+        Ok(variant)
+    }
+
+    /// Compiles `graph` under each variant and times them interleaved in rotating order: ms
+    /// per run, median of [`Autotune::reps`] to [`WHOLE_GRAPH_ROUNDS`] rounds (about a second
+    /// per variant) after a warm-up (a variant that fails to compile or run is infinitely
+    /// slow).
+    fn time_variants(
+        &self,
+        graph: &Graph,
+        variants: &[(Variant, Vec<(NodeId, Lowering)>)],
+    ) -> Result<Vec<(Variant, f64)>> {
+        let mut exes = Vec::new();
+        for (v, _) in variants {
+            let built = (|| -> Result<pjrt::LoadedExecutable> {
+                let mut g = graph.clone();
+                self.apply_variant(&mut g, *v, &|_| false)?;
+                let choices = self.variant_choices(&g, *v, &|_| false)?;
+                self.compile_mlir(&lower::lower_with(&g, &ffi_nodes(&choices))?)
+            })();
+            match built {
+                Ok(e) => exes.push((*v, Some(e))),
+                Err(e) => {
+                    log::info!(target: "kiln::autotune", "variant {v} failed to compile: {e}");
+                    exes.push((*v, None));
+                }
+            }
+        }
+        let inputs: Vec<HostTensor> = graph
+            .inputs()
+            .iter()
+            .enumerate()
+            .map(|(i, inp)| match inp.ty.dtype {
+                DType::F32 | DType::F64 => autotune::random_input(&inp.ty, i as u64 + 1),
+                _ => HostTensor::from_bytes(inp.ty.clone(), vec![0u8; inp.ty.size_in_bytes()]),
+            })
+            .collect::<Result<_>>()?;
+        let donating = !graph.aliases().is_empty();
+        let shared: Vec<XlaBuffer> = if donating {
+            Vec::new()
+        } else {
+            inputs
+                .iter()
+                .map(|h| self.to_device(h))
+                .collect::<Result<_>>()?
+        };
+        let run = |exe: &pjrt::LoadedExecutable| -> Result<f64> {
+            // Donated inputs are consumed: fresh copies for every run.
+            let fresh: Vec<XlaBuffer> = if donating {
+                inputs
+                    .iter()
+                    .map(|h| self.to_device(h))
+                    .collect::<Result<_>>()?
+            } else {
+                Vec::new()
+            };
+            let bufs = if donating { &fresh } else { &shared };
+            for b in bufs {
+                b.buffer.ready()?;
+            }
+            let raw: Vec<&pjrt::Buffer> = bufs.iter().map(|b| &b.buffer).collect();
+            let t = std::time::Instant::now();
+            for o in exe.execute(&raw)? {
+                o.ready()?;
+            }
+            Ok(t.elapsed().as_secs_f64() * 1e3)
+        };
+        let mut times: Vec<Vec<f64>> = vec![Vec::new(); exes.len()];
+        // Cheap graphs get more rounds (up to WHOLE_GRAPH_ROUNDS, about a second per variant):
+        // whole-model times on a shared machine vary by ±15 %.
+        let mut rounds = self.options.autotune.reps.max(1);
+        let mut round = 0;
+        while round <= rounds {
+            let n = exes.len();
+            for k in 0..n {
+                // Rotating order: a run after one with libtorch kernels can pay for their
+                // threads winding down.
+                let i = (round + k) % n;
+                let (v, exe) = &mut exes[i];
+                let Some(e) = exe else { continue };
+                match run(e) {
+                    // Round 0 warms up, and sizes the number of rounds.
+                    Ok(t) if round == 0 => {
+                        let fit = (WHOLE_GRAPH_SECONDS * 1e3 / t.max(1e-3)) as usize;
+                        rounds = rounds.max(fit.min(WHOLE_GRAPH_ROUNDS));
+                    }
+                    Ok(t) => times[i].push(t),
+                    Err(err) => {
+                        log::info!(target: "kiln::autotune", "variant {v} failed to run: {err}");
+                        *exe = None;
+                    }
+                }
+            }
+            round += 1;
+        }
+        Ok(exes
+            .iter()
+            .zip(times)
+            .map(|((v, e), mut t)| {
+                if e.is_none() || t.is_empty() {
+                    return (*v, f64::INFINITY);
+                }
+                t.sort_by(f64::total_cmp);
+                (*v, t[t.len() / 2])
+            })
+            .collect())
+    }
+
+    /// The plugin's identity in autotune keys.
+    fn plugin_id(&self) -> String {
+        format!(
+            "{}/{}/pjrt{}.{}",
+            self.inner.platform,
+            self.inner.platform_version,
+            self.inner.api_version.0,
+            self.inner.api_version.1
+        )
+    }
+
+    /// The whole-graph checks made under autotune (by rewrites on this backend's client),
+    /// in order: which set of choices each graph was compiled with, and the ms per run
+    /// measured for each distinct set.
+    pub fn autotune_graph_report(&self) -> Vec<GraphChoice> {
+        self.inner.tuner.lock().graph_report.clone()
+    }
+
+    /// Times `micro` (a site cut out by autotune, `node` its convolution or dot) lowered as
+    /// `lowering`: µs per call, median of up to `reps` runs after two warm-ups, stopping early
+    /// once the best of at least two runs takes more than `cap` µs.
+    fn time_lowering(
+        &self,
+        micro: &Graph,
+        node: NodeId,
+        lowering: Lowering,
+        reps: usize,
+        cap: f64,
+    ) -> Result<f64> {
+        let mut g = micro.clone();
+        let mut ffi = HashSet::new();
+        match lowering {
+            Lowering::Xla => {}
+            Lowering::Im2col => {
+                im2col_nodes(&mut g, &[node])?;
+            }
+            Lowering::Ffi => {
+                ffi.insert(node);
+            }
+        }
+        let mlir = lower::lower_with(&g, &ffi)?;
+        let exe = self.compile_mlir(&mlir)?;
+        let bufs: Vec<XlaBuffer> = g
+            .inputs()
+            .iter()
+            .enumerate()
+            .map(|(i, inp)| self.to_device(&autotune::random_input(&inp.ty, i as u64 + 1)?))
+            .collect::<Result<_>>()?;
+        let raw: Vec<&pjrt::Buffer> = bufs.iter().map(|b| &b.buffer).collect();
+        let run = || -> Result<f64> {
+            let t = std::time::Instant::now();
+            for o in exe.execute(&raw)? {
+                o.ready()?;
+            }
+            Ok(t.elapsed().as_secs_f64() * 1e6)
+        };
+        // Two warm-ups: XLA may run the first calls on different worker threads, each of
+        // which sets up libtorch's threads on its first kernel.
+        run()?;
+        run()?;
+        let mut ts = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            ts.push(run()?);
+            // A clear loser stops early: its best of two runs (robust to one disturbed run)
+            // is already past the cap.
+            if ts.len() >= 2 && ts.iter().copied().fold(f64::INFINITY, f64::min) > cap {
+                break;
+            }
+        }
+        ts.sort_by(f64::total_cmp);
+        Ok(ts[ts.len() / 2])
+    }
+
+    /// Every choice made for the graphs this backend's client rewrote so far (all options
+    /// sets), in order: node, op, shapes, chosen lowering, where the choice came from and
+    /// the µs measured per candidate. Set `KILN_AUTOTUNE_LOG=1` to see them printed as they
+    /// are made.
+    pub fn autotune_report(&self) -> Vec<NodeChoice> {
+        self.inner.tuner.lock().report.clone()
+    }
+
+    /// Clears [`XlaBackend::autotune_report`], [`XlaBackend::autotune_graph_report`] and
+    /// [`XlaBackend::autotune_time`] (the choices themselves are kept, and a graph already
+    /// rewritten by this client under these options is not chosen for, nor reported, again).
+    pub fn clear_autotune_report(&self) {
+        let mut t = self.inner.tuner.lock();
+        t.report.clear();
+        t.graph_report.clear();
+        t.reported.clear();
+        t.spent = std::time::Duration::ZERO;
+    }
+
+    /// The time spent measuring candidates (compiling and running them) by this backend's
+    /// client since it was created or [`XlaBackend::clear_autotune_report`] was called.
+    pub fn autotune_time(&self) -> std::time::Duration {
+        self.inner.tuner.lock().spent
     }
 
     /// The FFI mode lowering uses: the options' mode if the plugin runs kiln's kernels, else
@@ -393,11 +858,74 @@ impl Backend for XlaBackend {
         "xla"
     }
 
-    /// Rewrites the convolutions this backend's [`ConvStrategy`] lowers as im2col
-    /// ([`Im2col`]).
+    /// Chooses every convolution's and dot's lowering and rewrites the convolutions whose
+    /// choice is im2col ([`im2col_nodes`]); the dots that makes are then chosen for too, so
+    /// that compiling measures nothing more.
+    ///
+    /// Under the rule that is all. Under autotune the choices are first made node by node
+    /// (measured, [`autotune`]); then, if they differ from the rule's and from pure XLA's,
+    /// the whole graph is compiled and timed under each distinct set of choices (interleaved
+    /// runs, median) and the fastest set is used: per-node timings miss what happens between
+    /// nodes (fusion, libtorch kernels slowed down inside large executables). That decision
+    /// is cached like the per-node ones.
+    ///
+    /// First, 16-bit float sums and transcendental functions that XLA:CPU would compute in the
+    /// narrow type are made to compute in f32 ([`WidenHalf`]).
     fn rewrite(&self, graph: &mut Graph) -> Result<()> {
-        Im2col::new(self.im2col_picks()).run(graph)?;
+        WidenHalf.run(graph)?;
+        if !self.autotuning() {
+            return self.apply_variant(graph, Variant::Rule, &|_| false);
+        }
+        // Choices never change once made in a process, so neither does a graph's rewrite:
+        // trace-every-time calls pay a fingerprint and a copy, not the choosing again.
+        let memo = (graph.fingerprint(), self.cache_key());
+        if let Some(done) = self.inner.rewrites.lock().get(&memo) {
+            *graph = done.clone();
+            return Ok(());
+        }
+        let first = !self.inner.tuner.lock().reported.contains(&memo.0);
+        let variant = self.graph_variant(graph)?;
+        // Report the products of im2col rewrites once too (nodes that are new).
+        let before: HashSet<NodeId> = graph.petgraph().node_indices().collect();
+        self.apply_variant(graph, variant, &|n| first && !before.contains(&n))?;
+        let fp = graph.fingerprint();
+        let key = (fp, self.cache_key());
+        self.inner.tuner.lock().rewritten.insert(key, variant);
+        self.inner.rewrites.lock().insert(memo, graph.clone());
         Ok(())
+    }
+
+    /// Under autotune, the variant and a digest of the choices `graph`'s nodes got (site
+    /// keys and lowerings): an executable compiled under other choices is not reused. Empty
+    /// under the rule, whose choices follow from [`Backend::cache_key`].
+    fn graph_cache_key(&self, graph: &Graph, fp: &Fingerprint) -> Result<String> {
+        if !self.autotuning() {
+            return Ok(String::new());
+        }
+        let memo = (*fp, self.cache_key());
+        if let Some(k) = self.inner.graph_keys.lock().get(&memo) {
+            return Ok(k.clone());
+        }
+        let (g, variant) = match self.rewritten_variant(fp) {
+            Some(v) => (std::borrow::Cow::Borrowed(graph), v),
+            None => {
+                // Not a graph this client rewrote: key what compiling it will build.
+                let mut g = graph.clone();
+                self.rewrite(&mut g)?;
+                let v = self
+                    .rewritten_variant(&g.fingerprint())
+                    .unwrap_or(Variant::Tuned);
+                (std::borrow::Cow::Owned(g), v)
+            }
+        };
+        let keyed: Vec<([u8; 32], Lowering)> = self
+            .variant_choices(&g, variant, &|_| false)?
+            .into_iter()
+            .filter_map(|(_, l, k)| k.map(|k| (k, l)))
+            .collect();
+        let key = format!("{variant}:{}", autotune::choices_digest(&keyed));
+        self.inner.graph_keys.lock().insert(memo, key.clone());
+        Ok(key)
     }
 
     fn compile(&self, graph: &Graph) -> Result<XlaExecutable> {
@@ -472,6 +1000,21 @@ impl Backend for XlaBackend {
         b.buffer.is_deleted()
     }
 
+    /// The StableHLO kiln emitted (`stablehlo`; lowered again from `graph` for an executable
+    /// loaded from the on-disk cache, which does not keep it) and the plugin's optimized HLO
+    /// (`optimized_hlo`, [`XlaExecutable::optimized_hlo`]).
+    fn stages(&self, graph: &Graph, exe: &XlaExecutable) -> Vec<crate::inspect::Stage> {
+        let mlir = if exe.mlir.is_empty() {
+            self.lower(graph)
+        } else {
+            Ok(exe.mlir.clone())
+        };
+        vec![
+            crate::inspect::Stage::new("stablehlo", "stablehlo.mlir", mlir),
+            crate::inspect::Stage::new("optimized_hlo", "optimized.hlo.txt", exe.optimized_hlo()),
+        ]
+    }
+
     fn serialize_executable(&self, exe: &XlaExecutable) -> Result<Option<Vec<u8>>> {
         Ok(Some(self.serialize(exe)?))
     }
@@ -482,18 +1025,38 @@ impl Backend for XlaBackend {
 
     fn cache_key(&self) -> String {
         format!(
-            "xla/{}/{}/pjrt{}.{}/opts{:02x?}/conv-{}/ffi-{}",
+            "xla/{}/{}/pjrt{}.{}/opts{:02x?}/conv-{}/ffi-{}/{}",
             self.inner.platform,
             self.inner.platform_version,
             self.inner.api_version.0,
             self.inner.api_version.1,
             self.option_bytes,
             self.options.conv.key(),
-            self.effective_ffi().key()
+            self.effective_ffi().key(),
+            if self.autotuning() {
+                self.options.autotune.key()
+            } else {
+                "rule".into()
+            }
         )
     }
 
     fn instance_id(&self) -> u64 {
         self.inner.id
     }
+}
+
+/// The most rounds the whole-graph check times each variant for.
+const WHOLE_GRAPH_ROUNDS: usize = 25;
+/// About how long (s) the whole-graph check times each variant for, within
+/// [`Autotune::reps`]..=[`WHOLE_GRAPH_ROUNDS`] rounds.
+const WHOLE_GRAPH_SECONDS: f64 = 1.0;
+
+/// The nodes chosen for libtorch kernels.
+fn ffi_nodes(choices: &[autotune::Chosen]) -> HashSet<NodeId> {
+    choices
+        .iter()
+        .filter(|c| c.1 == Lowering::Ffi)
+        .map(|c| c.0)
+        .collect()
 }

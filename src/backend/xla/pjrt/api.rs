@@ -131,13 +131,20 @@ fns!(
         PJRT_Buffer_ToHostBuffer,
         PJRT_Buffer_ReadyEvent,
     ],
-    // The direct host read of `Buffer::to_host` (host-memory platforms only); without any of
-    // these, `to_host` uses `PJRT_Buffer_ToHostBuffer`.
     optional: [
+        // The direct host read of `Buffer::to_host` (host-memory platforms only); without any
+        // of these, `to_host` uses `PJRT_Buffer_ToHostBuffer`.
         PJRT_Buffer_GetMemoryLayout,
         PJRT_Buffer_IncreaseExternalReferenceCount,
         PJRT_Buffer_DecreaseExternalReferenceCount,
         PJRT_Buffer_OpaqueDeviceMemoryDataPointer,
+        // Device ids, for an explicit device assignment of multi-replica programs; without
+        // them PJRT's default assignment is used.
+        PJRT_Device_GetDescription,
+        PJRT_DeviceDescription_Id,
+        // The plugin's optimized program (`LoadedExecutable::optimized_program`), for
+        // inspection only.
+        PJRT_Executable_OptimizedProgram,
     ],
 );
 

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -118,6 +119,20 @@ impl fmt::Display for ElementType {
     }
 }
 
+/// [`Buffer`]s alive in this process (all clients together); see [`live_buffers`].
+static LIVE_BUFFERS: AtomicUsize = AtomicUsize::new(0);
+
+/// The number of PJRT buffers kiln owns right now, in the whole process (every client, every
+/// thread): incremented when PJRT hands kiln a buffer (an upload or an execution's output),
+/// decremented when the [`Buffer`] is dropped (`PJRT_Buffer_Destroy`). Donated buffers count
+/// until their wrapper is dropped.
+///
+/// For leak checks: a loop that replays a compiled function or a training step must leave this
+/// count where it was once its results are dropped.
+pub fn live_buffers() -> usize {
+    LIVE_BUFFERS.load(Ordering::Relaxed)
+}
+
 /// An array on a device, owned by kiln (`PJRT_Buffer_Destroy` on drop).
 ///
 /// Buffers returned by [`LoadedExecutable::execute`](super::LoadedExecutable::execute) may
@@ -143,6 +158,7 @@ unsafe impl Sync for Buffer {}
 impl Buffer {
     /// Takes ownership of a buffer created by `client`.
     pub(crate) fn from_raw(client: &Arc<ClientInner>, raw: NonNull<sys::PJRT_Buffer>) -> Buffer {
+        LIVE_BUFFERS.fetch_add(1, Ordering::Relaxed);
         Buffer {
             client: Arc::clone(client),
             raw,
@@ -549,6 +565,7 @@ impl Drop for Buffer {
         // client it belongs to is kept alive by `self.client` until after this call.
         let err = unsafe { (api.fns.PJRT_Buffer_Destroy)(&mut args) };
         api.ignore_error("PJRT_Buffer_Destroy", err);
+        LIVE_BUFFERS.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -11,6 +11,62 @@ use super::executable::LoadedExecutable;
 use super::sys::{self, Args};
 use crate::error::{Error, Result};
 
+/// The value of one plugin-specific client create option (`PJRT_NamedValue`), e.g. the CPU
+/// plugin's `cpu_device_count` or a GPU plugin's `node_id` / `num_nodes`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NamedValue {
+    /// `PJRT_NamedValue_kString`.
+    Str(String),
+    /// `PJRT_NamedValue_kInt64`.
+    Int(i64),
+    /// `PJRT_NamedValue_kInt64List`.
+    IntList(Vec<i64>),
+    /// `PJRT_NamedValue_kFloat`.
+    Float(f32),
+    /// `PJRT_NamedValue_kBool`.
+    Bool(bool),
+}
+
+/// `options` as C named values; they borrow the names and the string and list values.
+fn named_values(options: &[(String, NamedValue)]) -> Vec<sys::PJRT_NamedValue> {
+    options
+        .iter()
+        .map(|(name, value)| {
+            let mut nv = sys::PJRT_NamedValue::new();
+            nv.name = name.as_ptr().cast::<c_char>();
+            nv.name_size = name.len();
+            match value {
+                NamedValue::Str(v) => {
+                    nv.type_ = sys::PJRT_NamedValue_kString;
+                    nv.u.string_value = v.as_ptr().cast::<c_char>();
+                    nv.value_size = v.len();
+                }
+                NamedValue::Int(v) => {
+                    nv.type_ = sys::PJRT_NamedValue_kInt64;
+                    nv.u.int64_value = *v;
+                    nv.value_size = 1;
+                }
+                NamedValue::IntList(v) => {
+                    nv.type_ = sys::PJRT_NamedValue_kInt64List;
+                    nv.u.int64_array_value = v.as_ptr();
+                    nv.value_size = v.len();
+                }
+                NamedValue::Float(v) => {
+                    nv.type_ = sys::PJRT_NamedValue_kFloat;
+                    nv.u.float_value = *v;
+                    nv.value_size = 1;
+                }
+                NamedValue::Bool(v) => {
+                    nv.type_ = sys::PJRT_NamedValue_kBool;
+                    nv.u.bool_value = *v;
+                    nv.value_size = 1;
+                }
+            }
+            nv
+        })
+        .collect()
+}
+
 /// A PJRT client: one runtime instance of a plugin, owning its devices.
 ///
 /// Cheap to clone (an `Arc`); buffers and executables created by a client keep it alive, so
@@ -68,15 +124,42 @@ impl Client {
     /// # Errors
     /// [`Error::Pjrt`] if the plugin cannot create a client (e.g. no device).
     pub fn new(api: &Api) -> Result<Client> {
-        Client::with_direct_read(api, true)
+        Client::create(api, &[], true)
+    }
+
+    /// Creates a client of the plugin with plugin-specific create options (names and types
+    /// are the plugin's: the CPU plugin reads `cpu_device_count`, GPU plugins read
+    /// `node_id`, `num_nodes`, `visible_devices`, ...).
+    ///
+    /// A plugin may ignore names it does not know (`xla-cpu-pjrt` 0.0.1 does) or reject them
+    /// (newer CPU plugins).
+    ///
+    /// # Errors
+    /// [`Error::Pjrt`] if the plugin rejects an option or cannot create a client.
+    pub fn with_options(api: &Api, options: &[(String, NamedValue)]) -> Result<Client> {
+        Client::create(api, options, true)
     }
 
     /// [`Client::new`], with the direct host read of [`Buffer::to_host`] allowed or not
     /// (`false`: every read goes through `PJRT_Buffer_ToHostBuffer`; for tests).
+    #[cfg(test)]
     pub(crate) fn with_direct_read(api: &Api, allow_direct_read: bool) -> Result<Client> {
+        Client::create(api, &[], allow_direct_read)
+    }
+
+    fn create(
+        api: &Api,
+        options: &[(String, NamedValue)],
+        allow_direct_read: bool,
+    ) -> Result<Client> {
         let a = api.inner();
+        let values = named_values(options);
         let mut args = sys::PJRT_Client_Create_Args::new();
-        // SAFETY: `args` is a valid args struct with no options and no key-value callbacks.
+        args.create_options = values.as_ptr();
+        args.num_options = values.len();
+        // SAFETY: `args` is a valid args struct with no key-value callbacks; its `num_options`
+        // named values, and the names, strings and lists they point into (`options`), outlive
+        // the call (the plugin copies what it keeps).
         let err = unsafe { (a.fns.PJRT_Client_Create)(&mut args) };
         a.check("PJRT_Client_Create", err)?;
         let raw = NonNull::new(args.client).ok_or_else(|| Error::Pjrt {
@@ -152,6 +235,36 @@ impl Client {
     /// The number of devices this client can run on and place buffers on.
     pub fn addressable_device_count(&self) -> usize {
         self.inner.devices.len()
+    }
+
+    /// The global ids of the addressable devices, in order (`PJRT_DeviceDescription_Id`);
+    /// `None` if the plugin lacks the device description functions.
+    ///
+    /// # Errors
+    /// [`Error::Pjrt`] if the plugin fails a query.
+    pub fn addressable_device_ids(&self) -> Result<Option<Vec<i64>>> {
+        let api = self.inner.api();
+        let (Some(get_description), Some(get_id)) = (
+            api.fns.PJRT_Device_GetDescription,
+            api.fns.PJRT_DeviceDescription_Id,
+        ) else {
+            return Ok(None);
+        };
+        let mut ids = Vec::with_capacity(self.inner.devices.len());
+        for device in &self.inner.devices {
+            let mut args = sys::PJRT_Device_GetDescription_Args::new();
+            args.device = device.as_ptr();
+            // SAFETY: a live device of this client; valid args struct.
+            let err = unsafe { get_description(&mut args) };
+            api.check("PJRT_Device_GetDescription", err)?;
+            let mut id = sys::PJRT_DeviceDescription_Id_Args::new();
+            id.device_description = args.device_description;
+            // SAFETY: the description the plugin just returned, owned by the live device.
+            let err = unsafe { get_id(&mut id) };
+            api.check("PJRT_DeviceDescription_Id", err)?;
+            ids.push(i64::from(id.id));
+        }
+        Ok(Some(ids))
     }
 
     /// Compiles a StableHLO (MLIR) module given as text (or MLIR bytecode) with serialized

@@ -106,18 +106,52 @@ impl LoadedExecutable {
     /// [`Error::Invalid`] if an argument belongs to another client; [`Error::Pjrt`] if the
     /// plugin rejects the arguments (count, types, deleted buffers) or the launch fails.
     pub fn execute(&self, args: &[&Buffer]) -> Result<Vec<Buffer>> {
-        let mut arg_ptrs = Vec::with_capacity(args.len());
-        for (i, b) in args.iter().enumerate() {
-            if !Arc::ptr_eq(b.client(), &self.client) {
+        let mut outs = self.execute_replicated(&[args])?;
+        outs.pop().ok_or_else(|| Error::Pjrt {
+            call: "PJRT_LoadedExecutable_Execute",
+            code: "INTERNAL".into(),
+            message: "the plugin returned no output list".into(),
+        })
+    }
+
+    /// Runs the executable once on each of its replicas' devices: `args[r]` is replica `r`'s
+    /// argument list (its buffers on replica `r`'s device, the `r`-th addressable device for a
+    /// program compiled with [`compile_options_bytes_for`](super::compile_options_bytes_for));
+    /// returns each replica's outputs. Cross-replica ops (`stablehlo.all_reduce`) combine the
+    /// replicas' values. Asynchronous and donating like [`LoadedExecutable::execute`].
+    ///
+    /// # Errors
+    /// As [`LoadedExecutable::execute`]; [`Error::Invalid`] if the argument lists differ in
+    /// length; [`Error::Pjrt`] if their number is not the executable's replica count or a
+    /// buffer is not on its replica's device.
+    pub fn execute_replicated(&self, args: &[&[&Buffer]]) -> Result<Vec<Vec<Buffer>>> {
+        let num_args = args.first().map_or(0, |a| a.len());
+        let mut arg_ptrs: Vec<Vec<*mut sys::PJRT_Buffer>> = Vec::with_capacity(args.len());
+        for (r, list) in args.iter().enumerate() {
+            if list.len() != num_args {
                 return Err(Error::Invalid(format!(
-                    "execute: argument {i} is a buffer of another PJRT client"
+                    "execute: replica {r} has {} arguments, replica 0 has {num_args}",
+                    list.len()
                 )));
             }
-            arg_ptrs.push(b.raw());
+            let mut ptrs = Vec::with_capacity(list.len());
+            for (i, b) in list.iter().enumerate() {
+                if !Arc::ptr_eq(b.client(), &self.client) {
+                    return Err(Error::Invalid(format!(
+                        "execute: argument {i} of replica {r} is a buffer of another PJRT client"
+                    )));
+                }
+                ptrs.push(b.raw());
+            }
+            arg_ptrs.push(ptrs);
         }
-        let arg_lists: [*const *mut sys::PJRT_Buffer; 1] = [arg_ptrs.as_ptr()];
-        let mut outputs: Vec<*mut sys::PJRT_Buffer> = vec![ptr::null_mut(); self.num_outputs];
-        let output_lists: [*mut *mut sys::PJRT_Buffer; 1] = [outputs.as_mut_ptr()];
+        let arg_lists: Vec<*const *mut sys::PJRT_Buffer> =
+            arg_ptrs.iter().map(|l| l.as_ptr()).collect();
+        let mut outputs: Vec<Vec<*mut sys::PJRT_Buffer>> = (0..args.len())
+            .map(|_| vec![ptr::null_mut(); self.num_outputs])
+            .collect();
+        let output_lists: Vec<*mut *mut sys::PJRT_Buffer> =
+            outputs.iter_mut().map(|l| l.as_mut_ptr()).collect();
 
         let api = self.client.api();
         let mut options = sys::PJRT_ExecuteOptions::new();
@@ -125,21 +159,25 @@ impl LoadedExecutable {
         exec.executable = self.raw.as_ptr();
         exec.options = &mut options;
         exec.argument_lists = arg_lists.as_ptr();
-        exec.num_devices = 1;
-        exec.num_args = arg_ptrs.len();
+        exec.num_devices = args.len();
+        exec.num_args = num_args;
         exec.output_lists = output_lists.as_ptr();
-        // SAFETY: live executable; the argument list holds `num_args` live buffers of this
-        // client (borrowed for the call); the output list has room for the executable's
-        // `num_outputs` buffers per device, for one device; `options` outlives the call.
+        // SAFETY: live executable; `num_devices` argument lists of `num_args` live buffers of
+        // this client each (borrowed for the call); `num_devices` output lists with room for
+        // the executable's `num_outputs` buffers each; `options` outlives the call.
         let err = unsafe { (api.fns.PJRT_LoadedExecutable_Execute)(&mut exec) };
         // Take ownership of whatever outputs were written before looking at the error.
         let mut result = Vec::with_capacity(outputs.len());
         let mut missing = 0;
-        for &p in &outputs {
-            match NonNull::new(p) {
-                Some(p) => result.push(Buffer::from_raw(&self.client, p)),
-                None => missing += 1,
+        for list in &outputs {
+            let mut bufs = Vec::with_capacity(list.len());
+            for &p in list {
+                match NonNull::new(p) {
+                    Some(p) => bufs.push(Buffer::from_raw(&self.client, p)),
+                    None => missing += 1,
+                }
             }
+            result.push(bufs);
         }
         api.check("PJRT_LoadedExecutable_Execute", err)?;
         if missing > 0 {
@@ -185,6 +223,54 @@ impl LoadedExecutable {
             unsafe { deleter(args.serialized_executable) };
         }
         Ok(bytes)
+    }
+
+    /// The program the plugin actually runs, after its optimization passes
+    /// (`PJRT_Executable_OptimizedProgram`): `(format, bytes)`. XLA plugins answer with format
+    /// `hlo_with_config`, a serialized `xla.HloModuleProtoWithConfig`.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] if the plugin's function table has no
+    /// `PJRT_Executable_OptimizedProgram`; [`Error::Pjrt`] if the plugin has it but refuses
+    /// (e.g. `UNIMPLEMENTED`).
+    pub fn optimized_program(&self) -> Result<(String, Vec<u8>)> {
+        let inner = self.executable()?;
+        let api = inner.api;
+        let f = api
+            .fns
+            .PJRT_Executable_OptimizedProgram
+            .ok_or_else(|| Error::Unsupported {
+                backend: "xla".into(),
+                what: "the optimized program: this PJRT plugin does not implement \
+                   PJRT_Executable_OptimizedProgram"
+                    .into(),
+            })?;
+        let mut program = sys::PJRT_Program::new();
+        let mut args = sys::PJRT_Executable_OptimizedProgram_Args::new();
+        args.executable = inner.raw.as_ptr();
+        args.program = &mut program;
+        // SAFETY: live executable handle; `program` outlives both calls. With `code` null the
+        // plugin only writes `code_size`, `format` and `format_size`.
+        let err = unsafe { f(&mut args) };
+        api.check("PJRT_Executable_OptimizedProgram", err)?;
+        let mut code = vec![0u8; program.code_size];
+        program.code = code.as_mut_ptr().cast();
+        // A fresh pointer: `program` was written directly since the first one was taken.
+        args.program = &mut program;
+        // SAFETY: `code` has `program.code_size` writable bytes, as the first call asked for,
+        // and lives until after the call; the plugin writes at most that many.
+        let err = unsafe { f(&mut args) };
+        api.check("PJRT_Executable_OptimizedProgram", err)?;
+        // The plugin may report a smaller size on the second call (the bytes it wrote).
+        code.truncate(program.code_size);
+        let format = if program.format.is_null() {
+            String::new()
+        } else {
+            // SAFETY: the plugin set `format`/`format_size` to a string it owns, which lives as
+            // long as the executable (borrowed here through `inner`).
+            unsafe { super::api::copy_string(program.format, program.format_size) }
+        };
+        Ok((format, code))
     }
 }
 

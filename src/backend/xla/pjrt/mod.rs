@@ -8,7 +8,10 @@
 //!   once per process;
 //! - [`Client`]: a runtime instance owning devices; compiles programs and uploads buffers;
 //! - [`Buffer`]: an array on a device;
-//! - [`LoadedExecutable`]: a compiled program; [`LoadedExecutable::execute`] runs it.
+//! - [`LoadedExecutable`]: a compiled program; [`LoadedExecutable::execute`] runs it;
+//! - `ffi` (crate-internal): the PJRT FFI extension, through which kiln registers its own
+//!   kernels (XLA FFI handlers) that executables call as `stablehlo.custom_call`s (see
+//!   [`crate::backend::xla::kernels`]); its private `ffi_sys` module binds the XLA FFI C API.
 //!
 //! Every PJRT call's `PJRT_Error*` becomes [`Error::Pjrt`](crate::error::Error::Pjrt) with the
 //! call's name, the plugin's status code name and its message. Every PJRT object is freed in
@@ -59,8 +62,8 @@ mod sys;
 mod tests;
 
 pub use api::Api;
-pub use buffer::{Buffer, ElementType};
-pub use client::Client;
+pub use buffer::{live_buffers, Buffer, ElementType};
+pub use client::{Client, NamedValue};
 pub use executable::LoadedExecutable;
 
 /// Serialized `CompileOptionsProto` for a single-device compile, the options kiln passes to
@@ -115,7 +118,43 @@ fn len_delimited(out: &mut Vec<u8>, field: u32, bytes: &[u8]) {
 /// and rejects unknown names at compile time. With no overrides this is exactly
 /// [`compile_options_bytes`].
 pub fn compile_options_bytes_with(overrides: &[(String, OptionValue)]) -> Vec<u8> {
-    let mut out = compile_options_bytes();
+    compile_options_bytes_for(1, None, overrides)
+}
+
+/// Serialized `CompileOptionsProto` for a program run by `replicas` data-parallel replicas
+/// (`executable_build_options.num_replicas`, one partition), with debug option overrides as in
+/// [`compile_options_bytes_with`].
+///
+/// `devices` (when given, one global device id per replica) becomes the explicit
+/// `device_assignment`: replica `r` runs on device `devices[r]`. Without it PJRT's default
+/// assignment is used, which for a single-process client is the `r`-th addressable device.
+/// With `replicas == 1`, no devices and no overrides this is exactly
+/// [`compile_options_bytes`].
+pub fn compile_options_bytes_for(
+    replicas: usize,
+    devices: Option<&[i64]>,
+    overrides: &[(String, OptionValue)],
+) -> Vec<u8> {
+    // ExecutableBuildOptionsProto: num_replicas = 4, num_partitions = 5,
+    // device_assignment = 9 (DeviceAssignmentProto: replica_count = 1, computation_count = 2,
+    // computation_devices = 3 { replica_device_ids = 1 (repeated) }).
+    let mut build = vec![4 << 3];
+    varint(&mut build, replicas as u64);
+    build.extend_from_slice(&[5 << 3, 1]);
+    if let Some(ids) = devices {
+        let mut computation = Vec::new();
+        for &id in ids {
+            computation.push(1 << 3);
+            varint(&mut computation, id as u64);
+        }
+        let mut assignment = vec![1 << 3];
+        varint(&mut assignment, replicas as u64);
+        assignment.extend_from_slice(&[2 << 3, 1]);
+        len_delimited(&mut assignment, 3, &computation);
+        len_delimited(&mut build, 9, &assignment);
+    }
+    let mut out = Vec::new();
+    len_delimited(&mut out, 3, &build);
     for (name, value) in overrides {
         let mut v = Vec::new();
         match value {

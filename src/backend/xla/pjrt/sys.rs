@@ -56,11 +56,11 @@ opaque!(
     PJRT_Event,
     PJRT_Client,
     PJRT_Device,
+    PJRT_DeviceDescription,
     PJRT_Memory,
     PJRT_Executable,
     PJRT_LoadedExecutable,
     PJRT_Buffer,
-    PJRT_NamedValue,
     PJRT_SerializedExecutable,
     PJRT_SendCallbackInfo,
     PJRT_RecvCallbackInfo,
@@ -178,10 +178,10 @@ macro_rules! pjrt_struct {
             };
 
             fn new() -> Self {
-                // SAFETY: every field of this struct is an integer, a `bool`, a raw pointer,
-                // an `Option` of a function pointer, or a struct or union made only of those
-                // (`PJRT_Buffer_MemoryLayout`), for all of which the all-zero bit pattern is a
-                // valid value (0, false, null, None).
+                // SAFETY: every field of this struct is an integer, a float, a `bool`, a raw
+                // pointer, an `Option` of a function pointer, or a struct or union made only of
+                // those (`PJRT_Buffer_MemoryLayout`, `PJRT_NamedValue_Union`), for all of which
+                // the all-zero bit pattern is a valid value (0, false, null, None).
                 let mut v: Self = unsafe { core::mem::zeroed() };
                 v.struct_size = <Self as Args>::STRUCT_SIZE;
                 v
@@ -292,6 +292,38 @@ pjrt_struct! {
     }
 }
 
+/// `PJRT_NamedValue_Type`.
+pub type PJRT_NamedValue_Type = u32;
+pub const PJRT_NamedValue_kString: PJRT_NamedValue_Type = 0;
+pub const PJRT_NamedValue_kInt64: PJRT_NamedValue_Type = 1;
+pub const PJRT_NamedValue_kInt64List: PJRT_NamedValue_Type = 2;
+pub const PJRT_NamedValue_kFloat: PJRT_NamedValue_Type = 3;
+pub const PJRT_NamedValue_kBool: PJRT_NamedValue_Type = 4;
+
+/// The anonymous value union of `PJRT_NamedValue`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub union PJRT_NamedValue_Union {
+    pub string_value: *const c_char,
+    pub int64_value: i64,
+    pub int64_array_value: *const i64,
+    pub float_value: f32,
+    pub bool_value: bool,
+}
+
+pjrt_struct! {
+    /// `PJRT_NamedValue`: one named option (`PJRT_Client_Create`'s `create_options`). In C the
+    /// union is anonymous; here it is the field `u`, at the same offset.
+    pub struct PJRT_NamedValue {
+        pub extension_start: *mut PJRT_Extension_Base,
+        pub name: *const c_char,
+        pub name_size: usize,
+        pub type_: PJRT_NamedValue_Type,
+        pub u: PJRT_NamedValue_Union,
+        pub value_size: usize,
+    }
+}
+
 pjrt_struct! {
     pub struct PJRT_Client_Create_Args {
         pub extension_start: *mut PJRT_Extension_Base,
@@ -330,6 +362,22 @@ pjrt_struct! {
         pub client: *mut PJRT_Client,
         pub platform_version: *const c_char,
         pub platform_version_size: usize,
+    }
+}
+
+pjrt_struct! {
+    pub struct PJRT_Device_GetDescription_Args {
+        pub extension_start: *mut PJRT_Extension_Base,
+        pub device: *mut PJRT_Device,
+        pub device_description: *mut PJRT_DeviceDescription,
+    }
+}
+
+pjrt_struct! {
+    pub struct PJRT_DeviceDescription_Id_Args {
+        pub extension_start: *mut PJRT_Extension_Base,
+        pub device_description: *mut PJRT_DeviceDescription,
+        pub id: c_int,
     }
 }
 
@@ -409,6 +457,14 @@ pjrt_struct! {
         pub extension_start: *mut PJRT_Extension_Base,
         pub executable: *mut PJRT_Executable,
         pub num_outputs: usize,
+    }
+}
+
+pjrt_struct! {
+    pub struct PJRT_Executable_OptimizedProgram_Args {
+        pub extension_start: *mut PJRT_Extension_Base,
+        pub executable: *mut PJRT_Executable,
+        pub program: *mut PJRT_Program,
     }
 }
 
@@ -592,10 +648,13 @@ pub type PJRT_Client_Destroy = Fn<PJRT_Client_Destroy_Args>;
 pub type PJRT_Client_PlatformName = Fn<PJRT_Client_PlatformName_Args>;
 pub type PJRT_Client_PlatformVersion = Fn<PJRT_Client_PlatformVersion_Args>;
 pub type PJRT_Client_AddressableDevices = Fn<PJRT_Client_AddressableDevices_Args>;
+pub type PJRT_Device_GetDescription = Fn<PJRT_Device_GetDescription_Args>;
+pub type PJRT_DeviceDescription_Id = Fn<PJRT_DeviceDescription_Id_Args>;
 pub type PJRT_Client_Compile = Fn<PJRT_Client_Compile_Args>;
 pub type PJRT_Client_BufferFromHostBuffer = Fn<PJRT_Client_BufferFromHostBuffer_Args>;
 pub type PJRT_Executable_Destroy = Fn<PJRT_Executable_Destroy_Args>;
 pub type PJRT_Executable_NumOutputs = Fn<PJRT_Executable_NumOutputs_Args>;
+pub type PJRT_Executable_OptimizedProgram = Fn<PJRT_Executable_OptimizedProgram_Args>;
 pub type PJRT_Executable_Serialize = Fn<PJRT_Executable_Serialize_Args>;
 pub type PJRT_LoadedExecutable_Destroy = Fn<PJRT_LoadedExecutable_Destroy_Args>;
 pub type PJRT_LoadedExecutable_GetExecutable = Fn<PJRT_LoadedExecutable_GetExecutable_Args>;
@@ -657,13 +716,13 @@ pub struct PJRT_Api {
     pub PJRT_Client_Compile: Option<PJRT_Client_Compile>,
     pub PJRT_Client_DefaultDeviceAssignment: Unused,
     pub PJRT_Client_BufferFromHostBuffer: Option<PJRT_Client_BufferFromHostBuffer>,
-    pub PJRT_DeviceDescription_Id: Unused,
+    pub PJRT_DeviceDescription_Id: Option<PJRT_DeviceDescription_Id>,
     pub PJRT_DeviceDescription_ProcessIndex: Unused,
     pub PJRT_DeviceDescription_Attributes: Unused,
     pub PJRT_DeviceDescription_Kind: Unused,
     pub PJRT_DeviceDescription_DebugString: Unused,
     pub PJRT_DeviceDescription_ToString: Unused,
-    pub PJRT_Device_GetDescription: Unused,
+    pub PJRT_Device_GetDescription: Option<PJRT_Device_GetDescription>,
     pub PJRT_Device_IsAddressable: Unused,
     pub PJRT_Device_LocalHardwareId: Unused,
     pub PJRT_Device_AddressableMemories: Unused,
@@ -682,7 +741,7 @@ pub struct PJRT_Api {
     pub PJRT_Executable_SizeOfGeneratedCodeInBytes: Unused,
     pub PJRT_Executable_GetCostAnalysis: Unused,
     pub PJRT_Executable_OutputMemoryKinds: Unused,
-    pub PJRT_Executable_OptimizedProgram: Unused,
+    pub PJRT_Executable_OptimizedProgram: Option<PJRT_Executable_OptimizedProgram>,
     pub PJRT_Executable_Serialize: Option<PJRT_Executable_Serialize>,
     pub PJRT_LoadedExecutable_Destroy: Option<PJRT_LoadedExecutable_Destroy>,
     pub PJRT_LoadedExecutable_GetExecutable: Option<PJRT_LoadedExecutable_GetExecutable>,
@@ -773,10 +832,13 @@ mod layout {
     layout!(PJRT_Buffer_MemoryLayout_Tiled, 56; struct_size 0 extension_start 8 minor_to_major 16 minor_to_major_size 24 tile_dims 32 tile_dim_sizes 40 num_tiles 48);
     layout!(PJRT_Buffer_MemoryLayout_Strides, 32; struct_size 0 extension_start 8 byte_strides 16 num_byte_strides 24);
     layout!(PJRT_Buffer_MemoryLayout, 76; struct_size 0 extension_start 8 u 16 type_ 72);
+    layout!(PJRT_NamedValue, 56; struct_size 0 extension_start 8 name 16 name_size 24 type_ 32 u 40 value_size 48);
     layout!(PJRT_Client_Create_Args, 88; struct_size 0 extension_start 8 create_options 16 num_options 24 kv_get_callback 32 kv_get_user_arg 40 kv_put_callback 48 kv_put_user_arg 56 client 64 kv_try_get_callback 72 kv_try_get_user_arg 80);
     layout!(PJRT_Client_Destroy_Args, 24; struct_size 0 extension_start 8 client 16);
     layout!(PJRT_Client_PlatformName_Args, 40; struct_size 0 extension_start 8 client 16 platform_name 24 platform_name_size 32);
     layout!(PJRT_Client_PlatformVersion_Args, 40; struct_size 0 extension_start 8 client 16 platform_version 24 platform_version_size 32);
+    layout!(PJRT_Device_GetDescription_Args, 32; struct_size 0 extension_start 8 device 16 device_description 24);
+    layout!(PJRT_DeviceDescription_Id_Args, 28; struct_size 0 extension_start 8 device_description 16 id 24);
     layout!(PJRT_Client_AddressableDevices_Args, 40; struct_size 0 extension_start 8 client 16 addressable_devices 24 num_addressable_devices 32);
     layout!(PJRT_Program, 48; struct_size 0 extension_start 8 code 16 code_size 24 format 32 format_size 40);
     layout!(PJRT_Client_Compile_Args, 56; struct_size 0 extension_start 8 client 16 program 24 compile_options 32 compile_options_size 40 executable 48);
@@ -785,6 +847,7 @@ mod layout {
     layout!(PJRT_LoadedExecutable_Destroy_Args, 24; struct_size 0 extension_start 8 executable 16);
     layout!(PJRT_LoadedExecutable_GetExecutable_Args, 32; struct_size 0 extension_start 8 loaded_executable 16 executable 24);
     layout!(PJRT_Executable_NumOutputs_Args, 32; struct_size 0 extension_start 8 executable 16 num_outputs 24);
+    layout!(PJRT_Executable_OptimizedProgram_Args, 32; struct_size 0 extension_start 8 executable 16 program 24);
     layout!(PJRT_Executable_Serialize_Args, 56; struct_size 0 extension_start 8 executable 16 serialized_bytes 24 serialized_bytes_size 32 serialized_executable 40 serialized_executable_deleter 48);
     layout!(PJRT_Executable_DeserializeAndLoad_Args, 64; struct_size 0 extension_start 8 client 16 serialized_executable 24 serialized_executable_size 32 loaded_executable 40 overridden_serialized_compile_options 48 overridden_serialized_compile_options_size 56);
     layout!(PJRT_ExecuteOptions, 112; struct_size 0 extension_start 8 send_callbacks 16 recv_callbacks 24 num_send_ops 32 num_recv_ops 40 launch_id 48 non_donatable_input_indices 56 num_non_donatable_input_indices 64 context 72 call_location 80 num_tasks 88 task_ids 96 incarnation_ids 104);
@@ -801,7 +864,7 @@ mod layout {
     layout!(PJRT_Buffer_IncreaseExternalReferenceCount_Args, 24; struct_size 0 extension_start 8 buffer 16);
     layout!(PJRT_Buffer_DecreaseExternalReferenceCount_Args, 24; struct_size 0 extension_start 8 buffer 16);
     layout!(PJRT_Buffer_OpaqueDeviceMemoryDataPointer_Args, 32; struct_size 0 extension_start 8 buffer 16 device_memory_ptr 24);
-    api_layout!(984; pjrt_api_version 16 PJRT_Error_Destroy 40 PJRT_Error_Message 48 PJRT_Error_GetCode 56 PJRT_Plugin_Initialize 64 PJRT_Event_Destroy 80 PJRT_Event_IsReady 88 PJRT_Event_Await 104 PJRT_Client_Create 120 PJRT_Client_Destroy 128 PJRT_Client_PlatformName 136 PJRT_Client_PlatformVersion 152 PJRT_Client_AddressableDevices 168 PJRT_Client_Compile 200 PJRT_Client_BufferFromHostBuffer 216 PJRT_Executable_Destroy 360 PJRT_Executable_NumOutputs 392 PJRT_Executable_Serialize 432 PJRT_LoadedExecutable_Destroy 440 PJRT_LoadedExecutable_GetExecutable 448 PJRT_LoadedExecutable_Execute 480 PJRT_Executable_DeserializeAndLoad 488 PJRT_Buffer_Destroy 504 PJRT_Buffer_ElementType 512 PJRT_Buffer_Dimensions 520 PJRT_Buffer_GetMemoryLayout 544 PJRT_Buffer_OnDeviceSizeInBytes 552 PJRT_Buffer_IsDeleted 584 PJRT_Buffer_ToHostBuffer 600 PJRT_Buffer_ReadyEvent 616 PJRT_Buffer_UnsafePointer 624 PJRT_Buffer_IncreaseExternalReferenceCount 632 PJRT_Buffer_DecreaseExternalReferenceCount 640 PJRT_Buffer_OpaqueDeviceMemoryDataPointer 648);
+    api_layout!(984; pjrt_api_version 16 PJRT_Error_Destroy 40 PJRT_Error_Message 48 PJRT_Error_GetCode 56 PJRT_Plugin_Initialize 64 PJRT_Event_Destroy 80 PJRT_Event_IsReady 88 PJRT_Event_Await 104 PJRT_Client_Create 120 PJRT_Client_Destroy 128 PJRT_Client_PlatformName 136 PJRT_Client_PlatformVersion 152 PJRT_Client_AddressableDevices 168 PJRT_Client_Compile 200 PJRT_Client_BufferFromHostBuffer 216 PJRT_DeviceDescription_Id 224 PJRT_Device_GetDescription 272 PJRT_Executable_Destroy 360 PJRT_Executable_NumOutputs 392 PJRT_Executable_OptimizedProgram 424 PJRT_Executable_Serialize 432 PJRT_LoadedExecutable_Destroy 440 PJRT_LoadedExecutable_GetExecutable 448 PJRT_LoadedExecutable_Execute 480 PJRT_Executable_DeserializeAndLoad 488 PJRT_Buffer_Destroy 504 PJRT_Buffer_ElementType 512 PJRT_Buffer_Dimensions 520 PJRT_Buffer_GetMemoryLayout 544 PJRT_Buffer_OnDeviceSizeInBytes 552 PJRT_Buffer_IsDeleted 584 PJRT_Buffer_ToHostBuffer 600 PJRT_Buffer_ReadyEvent 616 PJRT_Buffer_UnsafePointer 624 PJRT_Buffer_IncreaseExternalReferenceCount 632 PJRT_Buffer_DecreaseExternalReferenceCount 640 PJRT_Buffer_OpaqueDeviceMemoryDataPointer 648);
     // End of `PJRT_Buffer_ReadyEvent`, the last required slot, and of
     // `PJRT_Buffer_OpaqueDeviceMemoryDataPointer`, the last slot declared here.
     const _: () = assert!(API_NEEDED_SIZE == 624);

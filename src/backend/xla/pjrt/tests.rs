@@ -221,6 +221,22 @@ fn serialize_deserialize_execute() {
 }
 
 #[test]
+fn optimized_program_is_an_hlo_module() {
+    let _g = serial();
+    let c = client();
+    let exe = c.compile(MUL_ADD, &compile_options_bytes()).unwrap();
+    let (format, code) = exe.optimized_program().unwrap();
+    println!("optimized program: format {format:?}, {} bytes", code.len());
+    assert_eq!(format, "hlo_with_config");
+    assert!(!code.is_empty());
+    // The same from an executable loaded from its serialization (the on-disk cache's path).
+    let exe2 = c.deserialize_executable(&exe.serialize().unwrap()).unwrap();
+    let (format2, code2) = exe2.optimized_program().unwrap();
+    assert_eq!(format2, format);
+    assert!(!code2.is_empty());
+}
+
+#[test]
 fn deserialize_garbage_is_an_error() {
     let _g = serial();
     let err = client()

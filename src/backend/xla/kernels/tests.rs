@@ -126,28 +126,28 @@ fn forward_weight_is_found_only_in_the_autograd_pattern() {
         _ => None,
     };
     assert_eq!(
-        call_form(ffi_lowering(&g, dw, FfiMode::All)),
+        call_form(ffi_lowering(&g, dw, &FfiMode::All)),
         Some((vec![x, ct], '3'))
     );
     assert_eq!(
-        ffi_lowering(&g, wconv, FfiMode::All),
+        ffi_lowering(&g, wconv, &FfiMode::All),
         Some(FfiLowering::Absorbed)
     );
     assert_eq!(
-        call_form(ffi_lowering(&g, dx, FfiMode::All)),
+        call_form(ffi_lowering(&g, dx, &FfiMode::All)),
         Some((vec![ct, w], '1'))
     );
     assert_eq!(
-        call_form(ffi_lowering(&g, y, FfiMode::All)),
+        call_form(ffi_lowering(&g, y, &FfiMode::All)),
         Some((vec![x, w], '0'))
     );
     g.set_outputs(vec![dw, wconv]).unwrap();
     assert_eq!(
-        call_form(ffi_lowering(&g, wconv, FfiMode::All)),
+        call_form(ffi_lowering(&g, wconv, &FfiMode::All)),
         Some((vec![x, ct], '2'))
     );
     for id in [y, dx, dw, wconv] {
-        assert_eq!(ffi_lowering(&g, id, FfiMode::Off), None);
+        assert_eq!(ffi_lowering(&g, id, &FfiMode::Off), None);
     }
     // A reversed input is not a forward weight; nor is the forward convolution's kernel.
     let r = g.add(Op::Reverse(vec![2, 3]), &[w]).unwrap();
@@ -254,4 +254,62 @@ fn weight_gradient_form_equals_plain_form() {
         let d = max_diff(&plain.transpose(0, 1), &wt);
         assert!(d < 1e-10, "case {i} {c:?}: transposed form differs by {d}");
     }
+}
+
+#[test]
+fn auto_rule_keeps_tiny_ungrouped_ops_in_xla() {
+    let t = |d: &[usize]| TensorType::new(DType::F32, d);
+    let mut c = ConvAttrs::plain(2);
+    c.padding = vec![(1, 1), (1, 1)];
+    // 3x3 64->64 on 16x16, batch 4: 75 MFLOP.
+    let (x, k) = (t(&[4, 64, 16, 16]), t(&[64, 64, 3, 3]));
+    assert_eq!(
+        conv_flops(&c, &x, &k),
+        2.0 * 4.0 * 64.0 * 256.0 * 64.0 * 9.0
+    );
+    assert!(FfiMode::Auto.conv(&c, &x, &k));
+    // 1x1 64->256 on 3x3: 2.4 MFLOP stays in XLA, unless every op is asked for.
+    let (x, k) = (t(&[4, 64, 3, 3]), t(&[256, 64, 1, 1]));
+    let p = ConvAttrs::plain(2);
+    assert!(!FfiMode::Auto.conv(&p, &x, &k));
+    assert!(FfiMode::All.conv(&p, &x, &k));
+    assert!(!FfiMode::Off.conv(&p, &x, &k));
+    // A tiny depthwise convolution goes to libtorch all the same.
+    let mut dw = c.clone();
+    dw.feature_groups = 960;
+    assert!(FfiMode::Auto.conv(&dw, &t(&[4, 960, 2, 2]), &t(&[960, 1, 3, 3])));
+    // Integer or mixed dtypes never.
+    let xi = TensorType::new(DType::I32, [4, 64, 16, 16]);
+    assert!(!FfiMode::All.conv(&c, &xi, &t(&[64, 64, 3, 3])));
+    // Dots: the Linear layout of vgg16's classifier vs a tiny pooling product.
+    let lin = DotDims {
+        lhs_batch: vec![],
+        rhs_batch: vec![],
+        lhs_contract: vec![1],
+        rhs_contract: vec![1],
+    };
+    assert_eq!(
+        dot_flops(&lin, &t(&[4, 25088]), &t(&[4096, 25088])),
+        2.0 * 4.0 * 4096.0 * 25088.0
+    );
+    assert!(FfiMode::Auto.dot(&lin, &t(&[4, 25088]), &t(&[4096, 25088])));
+    // The same layout with many rows (a transformer's linear over 256 tokens) stays in XLA,
+    // and so does the [in, out] layout.
+    assert!(!FfiMode::Auto.dot(&lin, &t(&[256, 256]), &t(&[768, 256])));
+    assert!(FfiMode::All.dot(&lin, &t(&[256, 256]), &t(&[768, 256])));
+    let nn = DotDims {
+        lhs_batch: vec![],
+        rhs_batch: vec![],
+        lhs_contract: vec![1],
+        rhs_contract: vec![0],
+    };
+    assert!(!FfiMode::Auto.dot(&nn, &t(&[4, 4096]), &t(&[4096, 4096])));
+    let pool = DotDims {
+        lhs_batch: vec![],
+        rhs_batch: vec![],
+        lhs_contract: vec![3],
+        rhs_contract: vec![0],
+    };
+    assert!(!FfiMode::Auto.dot(&pool, &t(&[4, 512, 2, 7]), &t(&[7, 2])));
+    assert!(FfiMode::All.dot(&pool, &t(&[4, 512, 2, 7]), &t(&[7, 2])));
 }

@@ -1,0 +1,123 @@
+//! How kernels share the cores: the kernel lock, libtorch's thread count inside kernels, and
+//! counters of the kernels' time.
+//!
+//! Measured (`examples/ffi_profile.rs --e2e`, 2 vCPUs; [`stats`] gives the time inside the
+//! kernels): with the lock and libtorch's default threads (2), with `--no-lock`, with
+//! `--threads 1` and with `OMP_WAIT_POLICY=PASSIVE`, whole-model times of resnet18,
+//! squeezenet1_1 and vit stayed within this machine's noise (~15 %) of each other; the lock
+//! made kernels wait for each other for 4–15 % of resnet18's training step (its input and
+//! weight gradients are independent, and XLA starts them together) without making the step
+//! slower than running them at once. Under load from other processes, libtorch's OpenMP
+//! teams of 2 stall at their barriers (a 100 µs kernel taking 14 ms), where 1 thread per
+//! kernel stays stable: [`set_threads`]`(1)` is the setting for a shared machine.
+//!
+//! Inside an executable a kernel runs 1.5–3× slower than the same kernel alone (squeezenet's
+//! 1×1 512→1000: 0.33 ms alone, 1.1–1.4 ms inside; vit's linears 10 ms alone, 12–20 ms
+//! inside), and 2 threads are barely faster than 1 there — probably because XLA's own worker
+//! threads are still spinning for work while the kernel runs (not verified).
+//! [`FfiMode::Auto`](super::FfiMode::Auto) sends only what wins despite that.
+
+use parking_lot::{Mutex, MutexGuard};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+static THREADS: AtomicUsize = AtomicUsize::new(0);
+static SERIALIZED: AtomicBool = AtomicBool::new(true);
+
+thread_local! {
+    /// The libtorch thread count last applied on this (XLA worker) thread; 0 = none.
+    static APPLIED: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Sets libtorch's intra-op thread count inside the kernels (0: libtorch's default, one per
+/// core). Applied by each XLA worker thread before its next kernel, with
+/// `at::set_num_threads`, which also changes the default of threads libtorch has not used
+/// yet (process-wide).
+pub fn set_threads(n: usize) {
+    THREADS.store(n, Ordering::Relaxed);
+}
+
+/// The thread count set by [`set_threads`] (`None`: libtorch's default).
+pub fn threads() -> Option<usize> {
+    match THREADS.load(Ordering::Relaxed) {
+        0 => None,
+        n => Some(n),
+    }
+}
+
+/// Whether kernels run one at a time (default `true`; see [`torch_lock`]).
+pub fn set_serialized(on: bool) {
+    SERIALIZED.store(on, Ordering::Relaxed);
+}
+
+/// See [`set_serialized`].
+pub fn serialized() -> bool {
+    SERIALIZED.load(Ordering::Relaxed)
+}
+
+/// Counters of the kernels' work since the process started (or [`reset_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelStats {
+    /// Kernel calls.
+    pub calls: u64,
+    /// Nanoseconds spent running kernel bodies (libtorch work, lock held).
+    pub run_ns: u64,
+    /// Nanoseconds spent waiting for the kernel lock.
+    pub wait_ns: u64,
+}
+
+static CALLS: AtomicU64 = AtomicU64::new(0);
+static RUN_NS: AtomicU64 = AtomicU64::new(0);
+static WAIT_NS: AtomicU64 = AtomicU64::new(0);
+
+/// The kernels' counters (for profiling: how much of an executable's time libtorch takes).
+pub fn stats() -> KernelStats {
+    KernelStats {
+        calls: CALLS.load(Ordering::Relaxed),
+        run_ns: RUN_NS.load(Ordering::Relaxed),
+        wait_ns: WAIT_NS.load(Ordering::Relaxed),
+    }
+}
+
+/// Zeroes the counters of [`stats`].
+pub fn reset_stats() {
+    CALLS.store(0, Ordering::Relaxed);
+    RUN_NS.store(0, Ordering::Relaxed);
+    WAIT_NS.store(0, Ordering::Relaxed);
+}
+
+/// Held while one kernel runs: the kernel lock (when [`serialized`]) and the start time.
+pub struct KernelGuard {
+    _lock: Option<MutexGuard<'static, ()>>,
+    start: Instant,
+}
+
+impl Drop for KernelGuard {
+    fn drop(&mut self) {
+        CALLS.fetch_add(1, Ordering::Relaxed);
+        RUN_NS.fetch_add(self.start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// Prepares the calling thread to run one kernel: applies [`set_threads`] and, when
+/// [`serialized`], takes the process-wide kernel lock; the guard also counts the kernel's
+/// time into [`stats`].
+///
+/// XLA's CPU runtime runs independent thunks concurrently on its worker threads (4 on 2
+/// cores), so two custom calls can start at once. Each libtorch kernel already spreads over
+/// all cores (OpenMP, one thread per core by default); two at once would oversubscribe them
+/// with two OpenMP teams. With the lock, at most one libtorch kernel runs at a time.
+pub fn torch_lock() -> KernelGuard {
+    static LOCK: Mutex<()> = Mutex::new(());
+    let n = THREADS.load(Ordering::Relaxed);
+    if n != 0 && APPLIED.get() != n {
+        tch::set_num_threads(n as i32);
+        APPLIED.set(n);
+    }
+    let t = Instant::now();
+    let lock = SERIALIZED.load(Ordering::Relaxed).then(|| LOCK.lock());
+    let start = Instant::now();
+    WAIT_NS.fetch_add((start - t).as_nanos() as u64, Ordering::Relaxed);
+    KernelGuard { _lock: lock, start }
+}
