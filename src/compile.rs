@@ -169,16 +169,63 @@ enum ResultSource {
 }
 
 /// The user's function and its traced programs (touched only when tracing).
-struct Tracer {
+struct Tracer<B: Backend> {
     f: UserFn,
     programs: HashMap<Vec<TensorType>, Program>,
+    /// Trace every time: the plan for each distinct trace seen before, so that a call whose
+    /// trace repeats an earlier one pays the trace and a fingerprint, not the preparation
+    /// (simplification, the backend's rewrites, binding) again.
+    seen: HashMap<TraceKey, (Program, Arc<FnPlan<B>>)>,
+}
+
+/// What identifies a trace: the raw graph's structure and what its inputs and outputs are
+/// bound to (a graph that reads another variable is another program).
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct TraceKey {
+    graph: Fingerprint,
+    bindings: Vec<BindingKey>,
+    num_outputs: usize,
+    state_updates: Vec<(u64, usize)>,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum BindingKey {
+    Data(usize),
+    Var(u64),
+    RngKey,
+}
+
+impl TraceKey {
+    /// `None` for a trace that binds a variable without an id (not memoized).
+    fn of(t: &Traced) -> Option<TraceKey> {
+        let bindings = t
+            .bindings
+            .iter()
+            .map(|b| match b {
+                Binding::Data(i) => Some(BindingKey::Data(*i)),
+                Binding::Var(v) => Some(BindingKey::Var(v.variable()?.id)),
+                Binding::RngKey => Some(BindingKey::RngKey),
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let state_updates = t
+            .state_updates
+            .iter()
+            .map(|(v, out)| Some((v.variable()?.id, *out)))
+            .collect::<Option<Vec<_>>>()?;
+        Some(TraceKey {
+            graph: t.graph.fingerprint(),
+            bindings,
+            num_outputs: t.num_outputs,
+            state_updates,
+        })
+    }
 }
 
 /// The state of a compiled function, shared by [`CompiledFn`] and [`SharedFn`].
 struct FnState<B: Backend> {
     rt: Runtime<B>,
     mode: TraceMode,
-    tracer: Mutex<Tracer>,
+    tracer: Mutex<Tracer<B>>,
     plans: RwLock<HashMap<Vec<TensorType>, Arc<FnPlan<B>>>>,
     seed: u32,
     draws: AtomicU32,
@@ -222,6 +269,7 @@ where
             tracer: Mutex::new(Tracer {
                 f: Box::new(f),
                 programs: HashMap::new(),
+                seen: HashMap::new(),
             }),
             plans: RwLock::new(HashMap::new()),
             seed: 0,
@@ -409,12 +457,33 @@ impl<B: Backend> FnState<B> {
                 return Ok(p);
             }
         }
+        let tracer = &mut *tracer; // borrow its fields apart
         let t0 = Instant::now();
         let traced = trace(signature, |xs| (tracer.f)(xs))?;
+        let key = match self.mode {
+            TraceMode::EveryCall => TraceKey::of(&traced),
+            TraceMode::Once => None,
+        };
+        if let Some((program, plan)) = key.as_ref().and_then(|k| tracer.seen.get(k)) {
+            let plan = plan.clone();
+            self.rt.metrics().traced(t0.elapsed());
+            self.rt.metrics().cache_hit();
+            let current = self.plans.read().get(signature).cloned();
+            if !current.is_some_and(|c| Arc::ptr_eq(&c, &plan)) {
+                // The signature's latest program changed back to one seen before.
+                let program = program.clone();
+                tracer.programs.insert(signature.to_vec(), program);
+                self.plans.write().insert(signature.to_vec(), plan.clone());
+            }
+            return Ok(plan);
+        }
         let program = Program::new(traced, self.rt.backend())?;
         self.rt.metrics().traced(t0.elapsed());
         let exe = self.rt.executable(&program.graph, program.fingerprint)?;
         let plan = Arc::new(self.bind(&program, exe, signature.len())?);
+        if let Some(k) = key {
+            tracer.seen.insert(k, (program.clone(), plan.clone()));
+        }
         tracer.programs.insert(signature.to_vec(), program);
         self.plans.write().insert(signature.to_vec(), plan.clone());
         Ok(plan)

@@ -93,6 +93,46 @@ fn trace_every_call_traces_every_call_and_compiles_once() {
     assert_eq!((s.traces, s.compiles), (5, 2), "{s:?}");
 }
 
+/// Trace every time with a function whose graph changes from call to call at one signature:
+/// each call runs the graph it traced (a repeated trace reuses its prepared plan, a changed one
+/// is prepared and compiled once).
+#[test]
+fn trace_every_call_follows_a_changing_graph() {
+    use kiln::nn::ParamStore;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let store = ParamStore::new();
+    let w = store
+        .root()
+        .param("w", &[3], kiln::nn::Init::Const(0.5))
+        .unwrap();
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let wf = w;
+    let mut f = compile(XlaBackend::new().unwrap(), move |xs: &[Tensor]| {
+        // Odd calls add the variable, even calls scale by 2.
+        Ok(vec![if c.fetch_add(1, Ordering::Relaxed) % 2 == 1 {
+            xs[0].add(&wf)?
+        } else {
+            xs[0].mul_scalar(2.0)?
+        }])
+    })
+    .with_mode(TraceMode::EveryCall);
+    let x = Tensor::from_slice(&[3], &[1.0f32, 2.0, 3.0]).unwrap();
+    for i in 0..6 {
+        let y = f.run(std::slice::from_ref(&x)).unwrap()[0]
+            .to_f64_vec()
+            .unwrap();
+        let want: Vec<f64> = [1.0, 2.0, 3.0]
+            .iter()
+            .map(|v| if i % 2 == 1 { v + 0.5 } else { 2.0 * v })
+            .collect();
+        assert_eq!(y, want, "call {i}");
+    }
+    let s = f.stats();
+    assert_eq!((s.traces, s.compiles, s.executions), (6, 2, 6), "{s:?}");
+    assert_eq!(s.cache_hits, 4, "{s:?}");
+}
+
 /// `Tensor::cat` of 300 slices: more operands than fit in a byte (operand positions once were
 /// `u8` edge weights, and this graph failed to verify).
 fn cat_300(xs: &[Tensor]) -> kiln::Result<Vec<Tensor>> {
