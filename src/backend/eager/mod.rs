@@ -589,6 +589,23 @@ fn select_and_scatter(
     wrap_u32(r, xt.dtype)
 }
 
+/// `x` `[N, C, *spatial]` with its `bg` contiguous batch blocks moved into channels: `[N / bg,
+/// bg * C, *spatial]`, block `g` in channels `[g * C, (g+1) * C)`. A feature-grouped convolution
+/// (`bg` groups) of the result with the kernel is then the batch-grouped convolution (batch
+/// block `g` with output-feature block `g`), for the eager backend and the libtorch kernel.
+pub(crate) fn batch_groups_to_channels(x: &Tensor, bg: i64) -> Result<Tensor> {
+    let s = x.size();
+    let mut grouped = vec![bg, s[0] / bg];
+    grouped.extend_from_slice(&s[1..]);
+    let mut perm: Vec<i64> = vec![1, 0];
+    perm.extend(2..(grouped.len() as i64));
+    let mut merged = vec![s[0] / bg, bg * s[1]];
+    merged.extend_from_slice(&s[2..]);
+    Ok(x.f_reshape(&grouped)?
+        .f_permute(&perm)?
+        .f_reshape(&merged)?)
+}
+
 fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor, xt: &TensorType) -> Result<Tensor> {
     let n = c.strides.len();
     let mut x = x.shallow_clone();
@@ -607,32 +624,14 @@ fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor, xt: &TensorType) -> Result<Tensor
     let stride: Vec<i64> = c.strides.iter().map(|&s| s as i64).collect();
     let dil: Vec<i64> = c.rhs_dilation.iter().map(|&s| s as i64).collect();
     let zeros = vec![0i64; n];
-    if c.batch_groups > 1 {
-        // Batch group g (a contiguous block of N / bg samples) feeds output features
-        // [g * O/bg, (g+1) * O/bg). Move the groups into channels and run a grouped conv.
+    // Batch group g (a contiguous block of N / bg samples) feeds output features
+    // [g * O/bg, (g+1) * O/bg). Move the groups into channels and run a grouped conv.
+    let (x, groups) = if c.batch_groups > 1 {
         let bg = c.batch_groups as i64;
-        let s = x.size();
-        let mut grouped = vec![bg, s[0] / bg];
-        grouped.extend_from_slice(&s[1..]);
-        let mut perm: Vec<i64> = vec![1, 0];
-        perm.extend(2..(grouped.len() as i64));
-        let mut merged = vec![s[0] / bg, bg * s[1]];
-        merged.extend_from_slice(&s[2..]);
-        let xg = x
-            .f_reshape(&grouped)?
-            .f_permute(&perm)?
-            .f_reshape(&merged)?;
-        return Ok(xg.f_convolution(
-            k,
-            None::<Tensor>,
-            &stride,
-            &zeros,
-            &dil,
-            false,
-            &zeros,
-            bg,
-        )?);
-    }
+        (batch_groups_to_channels(&x, bg)?, bg)
+    } else {
+        (x, c.feature_groups as i64)
+    };
     Ok(x.f_convolution(
         k,
         None::<Tensor>,
@@ -641,7 +640,7 @@ fn conv(c: &ConvAttrs, x: &Tensor, k: &Tensor, xt: &TensorType) -> Result<Tensor
         &dil,
         false,
         &zeros,
-        c.feature_groups as i64,
+        groups,
     )?)
 }
 

@@ -2,6 +2,7 @@
 //! libtorch, in each [`ConvForm`].
 
 use super::{torch_lock, ConvForm, CONV_TARGET};
+use crate::backend::eager::batch_groups_to_channels;
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
 use crate::error::{Error, Result};
 use crate::ir::{ConvAttrs, TensorType};
@@ -466,18 +467,7 @@ fn narrow_to(y: Tensor, want: &[i64]) -> Result<Tensor> {
 /// A batch-grouped convolution: batch block `g` of the input with output-feature block `g` of
 /// the kernel, as one feature-grouped convolution over the blocks moved into channels.
 fn batch_grouped(c: &ConvAttrs, x: &Tensor, k: &Tensor, want: &[i64]) -> Result<Tensor> {
-    let bg = c.batch_groups as i64;
-    let s = x.size();
-    let mut grouped = vec![bg, s[0] / bg];
-    grouped.extend_from_slice(&s[1..]);
-    let mut perm: Vec<i64> = vec![1, 0];
-    perm.extend(2..(grouped.len() as i64));
-    let mut merged = vec![s[0] / bg, bg * s[1]];
-    merged.extend_from_slice(&s[2..]);
-    let xg = x
-        .f_reshape(&grouped)?
-        .f_permute(&perm)?
-        .f_reshape(&merged)?;
+    let xg = batch_groups_to_channels(x, c.batch_groups as i64)?;
     let mut c2 = c.clone();
     c2.batch_groups = 1;
     c2.feature_groups = c.batch_groups;
