@@ -8,12 +8,11 @@
 
 mod common;
 
-use common::{run, xla};
-use kiln::autograd::vjp;
+use common::{autograd_conv_layers, conv_cases, conv_graph, run, xla, LOWERING};
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::{ConvLowering, ConvStrategy, XlaBackend, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
-use kiln::ir::{ConvAttrs, DType, Graph, InputKind, Op, TensorType};
+use kiln::ir::{ConvAttrs, DType, Graph, Op, TensorType};
 use kiln::nn::{Init, ParamStore};
 use kiln::optim::Sgd;
 use kiln::passes::im2col_graph;
@@ -52,120 +51,18 @@ fn assert_close(what: &str, got: &HostTensor, want: &HostTensor, tol: f64) {
     }
 }
 
-fn conv_graph(c: &ConvAttrs, x: &TensorType, w: &TensorType) -> Graph {
-    let mut g = Graph::new();
-    let a = g.add_input(InputKind::Data, "x", x.clone());
-    let b = g.add_input(InputKind::Data, "w", w.clone());
-    let y = g.add(Op::Conv(c.clone()), &[a, b]).unwrap();
-    g.set_outputs(vec![y]).unwrap();
-    g
-}
-
-/// `(input shape, kernel shape, attributes)`.
-fn case(
-    x: &[usize],
-    k: &[usize],
-    f: impl FnOnce(&mut ConvAttrs),
-) -> (Vec<usize>, Vec<usize>, ConvAttrs) {
-    let mut a = ConvAttrs::plain(x.len() - 2);
-    f(&mut a);
-    (x.to_vec(), k.to_vec(), a)
-}
-
-fn cases() -> Vec<(Vec<usize>, Vec<usize>, ConvAttrs)> {
-    vec![
-        case(&[2, 3, 7, 6], &[4, 3, 3, 2], |_| {}),
-        // Forward 3x3, stride 1 and 2, padding 1 (resnet blocks).
-        case(&[2, 16, 6, 6], &[8, 16, 3, 3], |a| {
-            a.padding = vec![(1, 1), (1, 1)]
-        }),
-        case(&[2, 3, 7, 6], &[4, 3, 3, 3], |a| {
-            a.strides = vec![2, 1];
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-        // 1x1 stride 2 (downsample) and 1x1 stride 1 (bottleneck).
-        case(&[2, 8, 6, 6], &[5, 8, 1, 1], |a| a.strides = vec![2, 2]),
-        case(&[2, 8, 3, 5], &[5, 8, 1, 1], |_| {}),
-        // 7x7 stride 2 padding 3 (stem).
-        case(&[1, 3, 12, 11], &[4, 3, 7, 7], |a| {
-            a.strides = vec![2, 2];
-            a.padding = vec![(3, 3), (3, 3)];
-        }),
-        // Asymmetric and negative (cropping) padding.
-        case(&[1, 2, 6, 5], &[3, 2, 3, 2], |a| {
-            a.padding = vec![(2, 0), (0, 1)]
-        }),
-        case(&[1, 2, 6, 7], &[3, 2, 2, 3], |a| {
-            a.padding = vec![(-1, 1), (1, -2)]
-        }),
-        // Kernel dilation with stride.
-        case(&[2, 2, 8, 7], &[3, 2, 3, 2], |a| {
-            a.rhs_dilation = vec![2, 3];
-            a.padding = vec![(1, 2), (0, 1)];
-            a.strides = vec![1, 2];
-        }),
-        // Weight-gradient shape: large "kernel" (the cotangent), dilated by the forward
-        // stride, few outputs, negative padding.
-        case(&[6, 2, 8, 8], &[5, 2, 4, 4], |a| {
-            a.rhs_dilation = vec![2, 2];
-            a.padding = vec![(0, -1), (0, -1)];
-        }),
-        case(&[6, 2, 5, 5], &[5, 2, 5, 5], |a| {
-            a.padding = vec![(1, 1), (1, 1)]
-        }),
-        // Feature groups: grouped and depthwise (multiplier 2).
-        case(&[2, 6, 5, 5], &[9, 2, 3, 3], |a| a.feature_groups = 3),
-        case(&[2, 4, 6, 6], &[8, 1, 3, 3], |a| {
-            a.feature_groups = 4;
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-        // Batch groups (weight gradient of grouped convolutions).
-        case(&[4, 3, 5, 5], &[6, 3, 2, 2], |a| a.batch_groups = 2),
-        case(&[3, 2, 6, 5], &[6, 2, 3, 3], |a| {
-            a.batch_groups = 3;
-            a.strides = vec![2, 1];
-            a.padding = vec![(1, 0), (1, 1)];
-        }),
-        // Input dilation (input gradient of strided convolutions; transposed convolution).
-        case(&[1, 3, 4, 4], &[2, 3, 3, 3], |a| {
-            a.lhs_dilation = vec![2, 2];
-            a.padding = vec![(1, 2), (1, 2)];
-        }),
-        case(&[2, 4, 3, 3], &[3, 4, 1, 1], |a| {
-            a.lhs_dilation = vec![2, 2];
-            a.padding = vec![(0, 1), (0, 1)];
-        }),
-        // 1-d and 3-d.
-        case(&[2, 3, 10], &[4, 3, 3], |a| {
-            a.strides = vec![2];
-            a.padding = vec![(1, 2)];
-            a.rhs_dilation = vec![2];
-        }),
-        case(&[1, 2, 5], &[3, 2, 2], |a| {
-            a.lhs_dilation = vec![3];
-            a.padding = vec![(1, 1)];
-        }),
-        case(&[1, 2, 4, 4, 5], &[2, 2, 2, 2, 3], |a| {
-            a.strides = vec![1, 2, 1];
-            a.padding = vec![(0, 1), (1, 0), (1, 1)];
-        }),
-    ]
-}
-
 #[test]
 fn im2col_matches_direct_and_eager() {
     let direct = xla().with_options(XlaOptions::plain().conv(ConvStrategy::Direct));
     let im2col = xla().with_options(XlaOptions::plain().conv(ConvStrategy::Im2col));
     let eager = EagerBackend::new();
-    for (i, (xs, ks, a)) in cases().into_iter().enumerate() {
+    for (i, c) in conv_cases(LOWERING).iter().enumerate() {
         for d in [DType::F32, DType::F64] {
-            let xt = TensorType::new(d, xs.as_slice());
-            let kt = TensorType::new(d, ks.as_slice());
-            let g = conv_graph(&a, &xt, &kt);
+            let (xt, kt, g) = c.graph(d);
             let ins = [random(&xt, i as u64), random(&kt, 1000 + i as u64)];
             let want = run(&eager, &g, &ins).remove(0);
             let tol = if d == DType::F32 { 1e-5 } else { 1e-12 };
-            let what = |w: &str| format!("case {i} {d} {xs:?} {ks:?} {a:?}: {w}");
+            let what = |w: &str| format!("case {i} {d} {:?} {:?} {:?}: {w}", c.x, c.k, c.attrs);
             let lowered = im2col.lower(&g).unwrap();
             assert!(
                 !lowered.contains("stablehlo.convolution") && lowered.contains("dot_general"),
@@ -175,7 +72,7 @@ fn im2col_matches_direct_and_eager() {
             assert_close(&what("xla direct"), &run(&direct, &g, &ins)[0], &want, tol);
             assert_close(&what("xla im2col"), &run(&im2col, &g, &ins)[0], &want, tol);
             // The expansion itself, interpreted by libtorch op by op.
-            let ig = im2col_graph(&a, &xt, &kt).unwrap();
+            let ig = im2col_graph(&c.attrs, &xt, &kt).unwrap();
             assert_close(
                 &what("eager im2col"),
                 &run(&eager, &ig, &ins)[0],
@@ -190,29 +87,6 @@ fn im2col_matches_direct_and_eager() {
 /// compiled with each strategy.
 #[test]
 fn autograd_convs_match_under_every_strategy() {
-    let layers: Vec<(Vec<usize>, Vec<usize>, ConvAttrs)> = vec![
-        case(&[2, 16, 8, 8], &[16, 16, 3, 3], |a| {
-            a.padding = vec![(1, 1), (1, 1)]
-        }),
-        case(&[2, 8, 8, 8], &[16, 8, 3, 3], |a| {
-            a.strides = vec![2, 2];
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-        case(&[2, 8, 7, 7], &[16, 8, 1, 1], |a| a.strides = vec![2, 2]),
-        case(&[2, 3, 13, 13], &[8, 3, 7, 7], |a| {
-            a.strides = vec![2, 2];
-            a.padding = vec![(3, 3), (3, 3)];
-        }),
-        case(&[2, 8, 6, 6], &[8, 1, 3, 3], |a| {
-            a.feature_groups = 8;
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-        case(&[2, 8, 6, 6], &[8, 2, 3, 3], |a| {
-            a.feature_groups = 4;
-            a.strides = vec![2, 2];
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-    ];
     let eager = EagerBackend::new();
     let strategies = [
         ConvStrategy::Direct,
@@ -229,29 +103,13 @@ fn autograd_convs_match_under_every_strategy() {
             },
         },
     ];
-    for (i, (xs, ks, a)) in layers.into_iter().enumerate() {
-        let xt = TensorType::new(DType::F32, xs.as_slice());
-        let kt = TensorType::new(DType::F32, ks.as_slice());
-        let mut g = Graph::new();
-        let x = g.add_input(InputKind::Data, "x", xt.clone());
-        let w = g.add_input(InputKind::Parameter, "w", kt.clone());
-        let y = g.add(Op::Conv(a.clone()), &[x, w]).unwrap();
-        let yt = g.node(y).ty.clone();
-        let ct = g.add_input(InputKind::Cotangent, "ct", yt.clone());
-        let grads = vjp(&mut g, y, ct, &[true, true]).unwrap();
-        let (dx, dw) = (grads[0].unwrap(), grads[1].unwrap());
-        g.set_outputs(vec![y, dx, dw]).unwrap();
-        let convs = g
-            .topo_order()
-            .into_iter()
-            .filter(|&n| matches!(g.node(n).op, Op::Conv(_)))
-            .count();
-        assert_eq!(convs, 3, "forward + two backward convolutions");
-        let ins = [
-            random(&xt, i as u64),
-            random(&kt, 50 + i as u64),
-            random(&yt, 99 + i as u64),
-        ];
+    for (i, layer) in autograd_conv_layers(LOWERING).iter().enumerate() {
+        let (xs, ks) = (&layer.x, &layer.k);
+        let (g, tys) = layer.grad_graph(DType::F32);
+        assert_eq!(num_convs(&g), 3, "forward + two backward convolutions");
+        let ins: Vec<_> = (tys.iter().zip([0, 50, 99]))
+            .map(|(t, seed)| random(t, seed + i as u64))
+            .collect();
         let want = run(&eager, &g, &ins);
         for s in &strategies {
             let b = xla().with_options(XlaOptions::plain().conv(s.clone()));
@@ -404,11 +262,11 @@ fn compiled_programs_hold_the_rewritten_graph() {
 #[test]
 fn lowering_a_rewritten_graph_changes_nothing() {
     let b = xla().with_options(XlaOptions::plain().conv(ConvStrategy::Im2col));
-    let (xs, ks, a) = cases().remove(1);
+    let c = conv_cases(LOWERING).remove(1);
     let g = conv_graph(
-        &a,
-        &TensorType::new(DType::F32, xs),
-        &TensorType::new(DType::F32, ks),
+        &c.attrs,
+        &TensorType::new(DType::F32, c.x),
+        &TensorType::new(DType::F32, c.k),
     );
     let mut r = g.clone();
     b.rewrite(&mut r).unwrap();

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{floats, run, xla, SplitMix64};
+use common::{autograd_conv_layers, conv_cases, conv_graph, floats, run, xla, SplitMix64, FFI};
 use kiln::autograd::vjp;
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::kernels::{CONV_TARGET, DOT_TARGET};
@@ -97,139 +97,13 @@ fn check(what: &str, g: &Graph, ins: &[HostTensor], target: &str) -> (f64, f64) 
     worst
 }
 
-fn conv_graph(c: &ConvAttrs, x: &TensorType, w: &TensorType) -> Graph {
-    let mut g = Graph::new();
-    let a = g.add_input(InputKind::Data, "x", x.clone());
-    let b = g.add_input(InputKind::Data, "w", w.clone());
-    let y = g.add(Op::Conv(c.clone()), &[a, b]).unwrap();
-    g.set_outputs(vec![y]).unwrap();
-    g
-}
-
-fn case(
-    x: &[usize],
-    k: &[usize],
-    f: impl FnOnce(&mut ConvAttrs),
-) -> (Vec<usize>, Vec<usize>, ConvAttrs) {
-    let mut a = ConvAttrs::plain(x.len() - 2);
-    f(&mut a);
-    (x.to_vec(), k.to_vec(), a)
-}
-
-/// Every path of the kernel: direct (symmetric padding), padding with high < low (narrowed),
-/// explicit padding (high > low, negative), transposed (input dilation), transposed with a
-/// narrowed result, explicit dilation (input dilation with stride or padding beyond the
-/// kernel), batch groups; 1-3 spatial dims.
-fn conv_cases() -> Vec<(Vec<usize>, Vec<usize>, ConvAttrs)> {
-    vec![
-        case(&[2, 3, 7, 6], &[4, 3, 3, 2], |_| {}),
-        case(&[2, 16, 6, 6], &[8, 16, 3, 3], |a| {
-            a.padding = vec![(1, 1), (1, 1)]
-        }),
-        case(&[2, 3, 7, 6], &[4, 3, 3, 3], |a| {
-            a.strides = vec![2, 1];
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-        case(&[2, 8, 6, 6], &[5, 8, 1, 1], |a| a.strides = vec![2, 2]),
-        case(&[1, 3, 12, 11], &[4, 3, 7, 7], |a| {
-            a.strides = vec![2, 2];
-            a.padding = vec![(3, 3), (3, 3)];
-        }),
-        // high < low (symmetric low, then narrowed).
-        case(&[1, 2, 6, 5], &[3, 2, 3, 2], |a| {
-            a.padding = vec![(2, 0), (1, -1)]
-        }),
-        // high > low and negative padding (explicit pad / crop).
-        case(&[1, 2, 6, 5], &[3, 2, 3, 2], |a| {
-            a.padding = vec![(0, 2), (0, 1)]
-        }),
-        case(&[1, 2, 6, 7], &[3, 2, 2, 3], |a| {
-            a.padding = vec![(-1, 1), (1, -2)]
-        }),
-        // Kernel dilation with stride.
-        case(&[2, 2, 8, 7], &[3, 2, 3, 2], |a| {
-            a.rhs_dilation = vec![2, 3];
-            a.padding = vec![(1, 2), (0, 1)];
-            a.strides = vec![1, 2];
-        }),
-        // Weight-gradient shapes.
-        case(&[6, 2, 8, 8], &[5, 2, 4, 4], |a| {
-            a.rhs_dilation = vec![2, 2];
-            a.padding = vec![(0, -1), (0, -1)];
-        }),
-        case(&[6, 2, 5, 5], &[5, 2, 5, 5], |a| {
-            a.padding = vec![(1, 1), (1, 1)]
-        }),
-        // Grouped and depthwise (multiplier 2).
-        case(&[2, 6, 5, 5], &[9, 2, 3, 3], |a| a.feature_groups = 3),
-        case(&[2, 4, 6, 6], &[8, 1, 3, 3], |a| {
-            a.feature_groups = 4;
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-        // Batch groups.
-        case(&[4, 3, 5, 5], &[6, 3, 2, 2], |a| a.batch_groups = 2),
-        case(&[3, 2, 6, 5], &[6, 2, 3, 3], |a| {
-            a.batch_groups = 3;
-            a.strides = vec![2, 1];
-            a.padding = vec![(1, 0), (1, 1)];
-        }),
-        // Input dilation: transposed convolution (output padding 0 and 1) ...
-        case(&[1, 3, 4, 4], &[2, 3, 3, 3], |a| {
-            a.lhs_dilation = vec![2, 2];
-            a.padding = vec![(1, 2), (1, 1)];
-        }),
-        case(&[2, 4, 3, 3], &[3, 4, 1, 1], |a| {
-            a.lhs_dilation = vec![2, 2];
-            a.padding = vec![(0, 1), (0, 1)];
-        }),
-        // ... with high < low (narrowed), grouped, kernel-dilated ...
-        case(&[2, 4, 4, 3], &[6, 2, 3, 3], |a| {
-            a.lhs_dilation = vec![2, 3];
-            a.padding = vec![(2, 1), (1, 0)];
-            a.feature_groups = 2;
-        }),
-        case(&[1, 2, 5, 5], &[2, 2, 3, 2], |a| {
-            a.lhs_dilation = vec![2, 2];
-            a.rhs_dilation = vec![2, 3];
-            a.padding = vec![(3, 4), (2, 2)];
-        }),
-        // ... and beyond it (explicit dilation): stride > 1, padding wider than the kernel,
-        // output padding too large.
-        case(&[1, 2, 5, 5], &[3, 2, 3, 3], |a| {
-            a.lhs_dilation = vec![2, 2];
-            a.strides = vec![2, 1];
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-        case(&[1, 2, 4, 4], &[3, 2, 2, 2], |a| {
-            a.lhs_dilation = vec![2, 2];
-            a.padding = vec![(3, 0), (0, 3)];
-        }),
-        // 1-d and 3-d.
-        case(&[2, 3, 10], &[4, 3, 3], |a| {
-            a.strides = vec![2];
-            a.padding = vec![(1, 2)];
-            a.rhs_dilation = vec![2];
-        }),
-        case(&[1, 2, 5], &[3, 2, 2], |a| {
-            a.lhs_dilation = vec![3];
-            a.padding = vec![(1, 1)];
-        }),
-        case(&[1, 2, 4, 4, 5], &[2, 2, 2, 2, 3], |a| {
-            a.strides = vec![1, 2, 1];
-            a.padding = vec![(0, 1), (1, 0), (1, 1)];
-        }),
-    ]
-}
-
 #[test]
 fn conv_kernel_matches_xla_and_f64_reference() {
-    for (i, (xs, ks, a)) in conv_cases().into_iter().enumerate() {
+    for (i, c) in conv_cases(FFI).iter().enumerate() {
         for d in [DType::F32, DType::F64] {
-            let xt = TensorType::new(d, xs.as_slice());
-            let kt = TensorType::new(d, ks.as_slice());
-            let g = conv_graph(&a, &xt, &kt);
+            let (xt, kt, g) = c.graph(d);
             let ins = [random(&xt, i as u64), random(&kt, 1000 + i as u64)];
-            let what = format!("case {i} {d} x{xs:?} k{ks:?} {a:?}");
+            let what = format!("case {i} {d} x{:?} k{:?} {:?}", c.x, c.k, c.attrs);
             let (ef, en) = check(&what, &g, &ins, CONV_TARGET);
             println!("{what}: relative error FFI {ef:.2e}, XLA {en:.2e}");
         }
@@ -240,46 +114,11 @@ fn conv_kernel_matches_xla_and_f64_reference() {
 /// (resnet- and mobilenet-like layers), all through the kernel.
 #[test]
 fn autograd_convs_through_the_kernel() {
-    let layers = vec![
-        case(&[2, 16, 8, 8], &[16, 16, 3, 3], |a| {
-            a.padding = vec![(1, 1), (1, 1)]
-        }),
-        case(&[2, 8, 8, 8], &[16, 8, 3, 3], |a| {
-            a.strides = vec![2, 2];
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-        case(&[2, 8, 7, 7], &[16, 8, 1, 1], |a| a.strides = vec![2, 2]),
-        case(&[2, 3, 13, 13], &[8, 3, 7, 7], |a| {
-            a.strides = vec![2, 2];
-            a.padding = vec![(3, 3), (3, 3)];
-        }),
-        case(&[2, 8, 6, 6], &[8, 1, 3, 3], |a| {
-            a.feature_groups = 8;
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-        case(&[2, 8, 7, 7], &[8, 2, 3, 3], |a| {
-            a.feature_groups = 4;
-            a.strides = vec![2, 2];
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-    ];
-    for (i, (xs, ks, a)) in layers.into_iter().enumerate() {
-        let xt = TensorType::new(DType::F32, xs.as_slice());
-        let kt = TensorType::new(DType::F32, ks.as_slice());
-        let mut g = Graph::new();
-        let x = g.add_input(InputKind::Data, "x", xt.clone());
-        let w = g.add_input(InputKind::Parameter, "w", kt.clone());
-        let y = g.add(Op::Conv(a.clone()), &[x, w]).unwrap();
-        let yt = g.node(y).ty.clone();
-        let ct = g.add_input(InputKind::Cotangent, "ct", yt.clone());
-        let grads = vjp(&mut g, y, ct, &[true, true]).unwrap();
-        g.set_outputs(vec![y, grads[0].unwrap(), grads[1].unwrap()])
-            .unwrap();
-        let ins = [
-            random(&xt, i as u64),
-            random(&kt, 50 + i as u64),
-            random(&yt, 99 + i as u64),
-        ];
+    for (i, layer) in autograd_conv_layers(FFI).iter().enumerate() {
+        let (g, tys) = layer.grad_graph(DType::F32);
+        let ins: Vec<_> = (tys.iter().zip([0, 50, 99]))
+            .map(|(t, seed)| random(t, seed + i as u64))
+            .collect();
         let lowered = ffi().lower(&g).unwrap();
         assert_eq!(
             lowered.matches(CONV_TARGET).count(),
@@ -295,11 +134,11 @@ fn autograd_convs_through_the_kernel() {
         // write the weight gradient itself (convolution and transpose as one call).
         assert_eq!(
             lowered.matches("form = 3").count(),
-            usize::from(a.feature_groups == 1),
+            usize::from(layer.attrs.feature_groups == 1),
             "layer {i}: weight gradient form:\n{lowered}"
         );
         assert!(!lowered.contains("form = 2"));
-        let what = format!("layer {i} x{xs:?} k{ks:?} {a:?}");
+        let what = format!("layer {i} x{:?} k{:?} {:?}", layer.x, layer.k, layer.attrs);
         let (ef, en) = check(&what, &g, &ins, CONV_TARGET);
         println!("{what}: relative error FFI {ef:.2e}, XLA {en:.2e}");
     }

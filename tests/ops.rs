@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::{floats, host, numel, run_graph, xla, SplitMix64};
+use common::{conv_cases, floats, host, numel, run_graph, xla, SplitMix64, OPS};
 use kiln::backend::eager::{kind_of, EagerBackend};
 use kiln::backend::HostTensor;
 use kiln::ir::{
@@ -2113,22 +2113,6 @@ fn select_and_scatter() {
 
 // ----- convolution -----------------------------------------------------------------------------
 
-struct ConvCase {
-    x: Vec<usize>,
-    k: Vec<usize>,
-    attrs: ConvAttrs,
-}
-
-fn conv_case(x: &[usize], k: &[usize], f: impl FnOnce(&mut ConvAttrs)) -> ConvCase {
-    let mut attrs = ConvAttrs::plain(x.len() - 2);
-    f(&mut attrs);
-    ConvCase {
-        x: x.to_vec(),
-        k: k.to_vec(),
-        attrs,
-    }
-}
-
 /// torch convolution (no bias) with padding, stride and kernel dilation, in `f64`. Edge padding
 /// (asymmetric, negative) is applied to the input first.
 fn torch_conv(x: &T, k: &T, a: &ConvAttrs) -> T {
@@ -2187,54 +2171,7 @@ fn conv_ref(x: &T, k: &T, a: &ConvAttrs) -> T {
 #[test]
 fn conv() {
     let _r = Report;
-    let cases = vec![
-        conv_case(&[2, 3, 7, 6], &[4, 3, 3, 2], |_| {}),
-        conv_case(&[2, 3, 7, 6], &[4, 3, 3, 3], |a| {
-            a.strides = vec![2, 1];
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-        conv_case(&[1, 2, 6, 5], &[3, 2, 3, 2], |a| {
-            a.padding = vec![(2, 0), (0, 1)]
-        }),
-        conv_case(&[1, 2, 6, 7], &[3, 2, 2, 3], |a| {
-            a.padding = vec![(-1, 1), (1, -2)]
-        }),
-        conv_case(&[2, 2, 8, 7], &[3, 2, 3, 2], |a| {
-            a.rhs_dilation = vec![2, 3];
-            a.padding = vec![(1, 2), (0, 1)];
-            a.strides = vec![1, 2];
-        }),
-        conv_case(&[2, 6, 5, 5], &[9, 2, 3, 3], |a| a.feature_groups = 3),
-        // Depthwise with channel multiplier 2.
-        conv_case(&[2, 4, 6, 6], &[8, 1, 3, 3], |a| {
-            a.feature_groups = 4;
-            a.padding = vec![(1, 1), (1, 1)];
-        }),
-        conv_case(&[4, 3, 5, 5], &[6, 3, 2, 2], |a| a.batch_groups = 2),
-        conv_case(&[3, 2, 6, 5], &[6, 2, 3, 3], |a| {
-            a.batch_groups = 3;
-            a.strides = vec![2, 1];
-            a.padding = vec![(1, 0), (1, 1)];
-        }),
-        // Transposed convolution: lhs dilation 2, p = 1, output padding 1.
-        conv_case(&[1, 3, 4, 4], &[2, 3, 3, 3], |a| {
-            a.lhs_dilation = vec![2, 2];
-            a.padding = vec![(1, 2), (1, 2)];
-        }),
-        conv_case(&[2, 3, 10], &[4, 3, 3], |a| {
-            a.strides = vec![2];
-            a.padding = vec![(1, 2)];
-            a.rhs_dilation = vec![2];
-        }),
-        conv_case(&[1, 2, 5], &[3, 2, 2], |a| {
-            a.lhs_dilation = vec![3];
-            a.padding = vec![(1, 1)];
-        }),
-        conv_case(&[1, 2, 4, 4, 5], &[2, 2, 2, 2, 3], |a| {
-            a.strides = vec![1, 2, 1];
-            a.padding = vec![(0, 1), (1, 0), (1, 1)];
-        }),
-    ];
+    let cases = conv_cases(OPS);
     for (c, case) in cases.iter().enumerate() {
         for d in FLOATS {
             if d == DType::F64 && c % 3 != 0 {

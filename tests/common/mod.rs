@@ -1,12 +1,14 @@
 //! Helpers shared by the integration tests (`mod common;` in each test file): the XLA backend,
-//! running a graph on a backend, seeded data and relative errors.
+//! running a graph on a backend, seeded data and relative errors, and the convolution cases of
+//! the convolution suites.
 //!
 //! Each test crate compiles this module on its own and uses only part of it.
 #![allow(dead_code)]
 
+use kiln::autograd::vjp;
 use kiln::backend::xla::XlaBackend;
 use kiln::backend::{Backend, Element, HostTensor};
-use kiln::ir::{DType, Graph};
+use kiln::ir::{ConvAttrs, DType, Graph, InputKind, Op, TensorType};
 use std::sync::OnceLock;
 
 /// One XLA backend (PJRT CPU plugin) per test binary: loading the plugin costs a second.
@@ -122,4 +124,251 @@ pub fn rel_err(a: &HostTensor, b: &HostTensor) -> f64 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f64::max)
         / scale
+}
+
+// ----- convolution cases -----------------------------------------------------------------------
+
+/// The suites that run a convolution case ([`ConvCase::suites`], bit flags): the im2col
+/// lowering against direct and eager (`conv_lowering.rs`).
+pub const LOWERING: u8 = 1;
+/// The libtorch FFI kernel against XLA and float64 (`ffi_kernels.rs`).
+pub const FFI: u8 = 2;
+/// The reference semantics of `Op::Conv` on every backend (`ops.rs`).
+pub const OPS: u8 = 4;
+
+/// One convolution: input shape, kernel shape, attributes, and the suites that run it.
+#[derive(Clone, Debug)]
+pub struct ConvCase {
+    /// Input shape `[N, C, *spatial]`.
+    pub x: Vec<usize>,
+    /// Kernel shape `[O, C / groups, *k]`.
+    pub k: Vec<usize>,
+    /// The convolution's attributes.
+    pub attrs: ConvAttrs,
+    /// The suites that run it: [`LOWERING`], [`FFI`], [`OPS`] or'ed.
+    pub suites: u8,
+}
+
+/// The case of plain attributes for `x.len() - 2` spatial dims as `f` leaves them.
+pub fn conv_case(suites: u8, x: &[usize], k: &[usize], f: impl FnOnce(&mut ConvAttrs)) -> ConvCase {
+    let mut attrs = ConvAttrs::plain(x.len() - 2);
+    f(&mut attrs);
+    ConvCase {
+        x: x.to_vec(),
+        k: k.to_vec(),
+        attrs,
+        suites,
+    }
+}
+
+/// The cases of [`conv_cases`] that `suite` runs, in table order.
+///
+/// Each suite seeds a case's data with the case's position in this list, so a case added to a
+/// suite changes the data of the suite's later cases.
+pub fn conv_cases(suite: u8) -> Vec<ConvCase> {
+    all_conv_cases()
+        .into_iter()
+        .filter(|c| c.suites & suite != 0)
+        .collect()
+}
+
+/// Every single-convolution case, on the attribute combinations forward and backward
+/// convolutions use: stride, padding (asymmetric, negative, high < low), kernel and input
+/// dilation, feature groups (grouped, depthwise), batch groups, 1-3 spatial dims; for the FFI
+/// kernel, every path it takes (direct, narrowed, explicit padding, transposed, transposed and
+/// narrowed, explicit dilation, batch groups).
+fn all_conv_cases() -> Vec<ConvCase> {
+    const ALL: u8 = LOWERING | FFI | OPS;
+    const LF: u8 = LOWERING | FFI;
+    vec![
+        conv_case(ALL, &[2, 3, 7, 6], &[4, 3, 3, 2], |_| {}),
+        // Forward 3x3, stride 1 and 2, padding 1 (resnet blocks).
+        conv_case(LF, &[2, 16, 6, 6], &[8, 16, 3, 3], |a| {
+            a.padding = vec![(1, 1), (1, 1)]
+        }),
+        conv_case(ALL, &[2, 3, 7, 6], &[4, 3, 3, 3], |a| {
+            a.strides = vec![2, 1];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        // 1x1 stride 2 (downsample) and 1x1 stride 1 (bottleneck).
+        conv_case(LF, &[2, 8, 6, 6], &[5, 8, 1, 1], |a| a.strides = vec![2, 2]),
+        conv_case(LOWERING, &[2, 8, 3, 5], &[5, 8, 1, 1], |_| {}),
+        // 7x7 stride 2 padding 3 (stem).
+        conv_case(LF, &[1, 3, 12, 11], &[4, 3, 7, 7], |a| {
+            a.strides = vec![2, 2];
+            a.padding = vec![(3, 3), (3, 3)];
+        }),
+        // Asymmetric padding.
+        conv_case(LOWERING | OPS, &[1, 2, 6, 5], &[3, 2, 3, 2], |a| {
+            a.padding = vec![(2, 0), (0, 1)]
+        }),
+        // high < low (symmetric low, then narrowed).
+        conv_case(FFI, &[1, 2, 6, 5], &[3, 2, 3, 2], |a| {
+            a.padding = vec![(2, 0), (1, -1)]
+        }),
+        // high > low and negative (cropping) padding (explicit pad / crop).
+        conv_case(FFI, &[1, 2, 6, 5], &[3, 2, 3, 2], |a| {
+            a.padding = vec![(0, 2), (0, 1)]
+        }),
+        conv_case(ALL, &[1, 2, 6, 7], &[3, 2, 2, 3], |a| {
+            a.padding = vec![(-1, 1), (1, -2)]
+        }),
+        // Kernel dilation with stride.
+        conv_case(ALL, &[2, 2, 8, 7], &[3, 2, 3, 2], |a| {
+            a.rhs_dilation = vec![2, 3];
+            a.padding = vec![(1, 2), (0, 1)];
+            a.strides = vec![1, 2];
+        }),
+        // Weight-gradient shapes: large "kernel" (the cotangent), dilated by the forward
+        // stride, few outputs, negative padding.
+        conv_case(LF, &[6, 2, 8, 8], &[5, 2, 4, 4], |a| {
+            a.rhs_dilation = vec![2, 2];
+            a.padding = vec![(0, -1), (0, -1)];
+        }),
+        conv_case(LF, &[6, 2, 5, 5], &[5, 2, 5, 5], |a| {
+            a.padding = vec![(1, 1), (1, 1)]
+        }),
+        // Feature groups: grouped and depthwise (channel multiplier 2).
+        conv_case(ALL, &[2, 6, 5, 5], &[9, 2, 3, 3], |a| a.feature_groups = 3),
+        conv_case(ALL, &[2, 4, 6, 6], &[8, 1, 3, 3], |a| {
+            a.feature_groups = 4;
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        // Batch groups (weight gradient of grouped convolutions).
+        conv_case(ALL, &[4, 3, 5, 5], &[6, 3, 2, 2], |a| a.batch_groups = 2),
+        conv_case(ALL, &[3, 2, 6, 5], &[6, 2, 3, 3], |a| {
+            a.batch_groups = 3;
+            a.strides = vec![2, 1];
+            a.padding = vec![(1, 0), (1, 1)];
+        }),
+        // Input dilation (input gradient of strided convolutions): transposed convolution,
+        // lhs dilation 2, p = 1, output padding 1 and 0 ...
+        conv_case(LOWERING | OPS, &[1, 3, 4, 4], &[2, 3, 3, 3], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.padding = vec![(1, 2), (1, 2)];
+        }),
+        conv_case(FFI, &[1, 3, 4, 4], &[2, 3, 3, 3], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.padding = vec![(1, 2), (1, 1)];
+        }),
+        conv_case(LF, &[2, 4, 3, 3], &[3, 4, 1, 1], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.padding = vec![(0, 1), (0, 1)];
+        }),
+        // ... with high < low (narrowed), grouped, kernel-dilated ...
+        conv_case(FFI, &[2, 4, 4, 3], &[6, 2, 3, 3], |a| {
+            a.lhs_dilation = vec![2, 3];
+            a.padding = vec![(2, 1), (1, 0)];
+            a.feature_groups = 2;
+        }),
+        conv_case(FFI, &[1, 2, 5, 5], &[2, 2, 3, 2], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.rhs_dilation = vec![2, 3];
+            a.padding = vec![(3, 4), (2, 2)];
+        }),
+        // ... and beyond it (explicit dilation): stride > 1, padding wider than the kernel,
+        // output padding too large.
+        conv_case(FFI, &[1, 2, 5, 5], &[3, 2, 3, 3], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.strides = vec![2, 1];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        conv_case(FFI, &[1, 2, 4, 4], &[3, 2, 2, 2], |a| {
+            a.lhs_dilation = vec![2, 2];
+            a.padding = vec![(3, 0), (0, 3)];
+        }),
+        // 1-d and 3-d.
+        conv_case(ALL, &[2, 3, 10], &[4, 3, 3], |a| {
+            a.strides = vec![2];
+            a.padding = vec![(1, 2)];
+            a.rhs_dilation = vec![2];
+        }),
+        conv_case(ALL, &[1, 2, 5], &[3, 2, 2], |a| {
+            a.lhs_dilation = vec![3];
+            a.padding = vec![(1, 1)];
+        }),
+        conv_case(ALL, &[1, 2, 4, 4, 5], &[2, 2, 2, 2, 3], |a| {
+            a.strides = vec![1, 2, 1];
+            a.padding = vec![(0, 1), (1, 0), (1, 1)];
+        }),
+    ]
+}
+
+/// Resnet- and mobilenet-like layers whose forward, input-gradient and weight-gradient
+/// convolutions (as kiln's autograd builds them: [`ConvCase::grad_graph`]) the suites check: those
+/// `suite` runs, in table order (numbered, and seeded, as in [`conv_cases`]).
+pub fn autograd_conv_layers(suite: u8) -> Vec<ConvCase> {
+    const LF: u8 = LOWERING | FFI;
+    vec![
+        conv_case(LF, &[2, 16, 8, 8], &[16, 16, 3, 3], |a| {
+            a.padding = vec![(1, 1), (1, 1)]
+        }),
+        conv_case(LF, &[2, 8, 8, 8], &[16, 8, 3, 3], |a| {
+            a.strides = vec![2, 2];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        conv_case(LF, &[2, 8, 7, 7], &[16, 8, 1, 1], |a| {
+            a.strides = vec![2, 2]
+        }),
+        conv_case(LF, &[2, 3, 13, 13], &[8, 3, 7, 7], |a| {
+            a.strides = vec![2, 2];
+            a.padding = vec![(3, 3), (3, 3)];
+        }),
+        conv_case(LF, &[2, 8, 6, 6], &[8, 1, 3, 3], |a| {
+            a.feature_groups = 8;
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        // Grouped with stride 2, on an even and an odd input.
+        conv_case(LOWERING, &[2, 8, 6, 6], &[8, 2, 3, 3], |a| {
+            a.feature_groups = 4;
+            a.strides = vec![2, 2];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        conv_case(FFI, &[2, 8, 7, 7], &[8, 2, 3, 3], |a| {
+            a.feature_groups = 4;
+            a.strides = vec![2, 2];
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+    ]
+    .into_iter()
+    .filter(|c| c.suites & suite != 0)
+    .collect()
+}
+
+/// `conv(x, w)`: inputs `x` and `w` (data), one `Op::Conv`.
+pub fn conv_graph(c: &ConvAttrs, x: &TensorType, w: &TensorType) -> Graph {
+    let mut g = Graph::new();
+    let a = g.add_input(InputKind::Data, "x", x.clone());
+    let b = g.add_input(InputKind::Data, "w", w.clone());
+    let y = g.add(Op::Conv(c.clone()), &[a, b]).unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    g
+}
+
+impl ConvCase {
+    /// The case's input and kernel types in `dtype`, and its graph ([`conv_graph`]).
+    pub fn graph(&self, dtype: DType) -> (TensorType, TensorType, Graph) {
+        let xt = TensorType::new(dtype, self.x.as_slice());
+        let kt = TensorType::new(dtype, self.k.as_slice());
+        let g = conv_graph(&self.attrs, &xt, &kt);
+        (xt, kt, g)
+    }
+
+    /// The case's convolution and its gradients as kiln's autograd builds them, in `dtype`:
+    /// inputs `x` (data), `w` (parameter) and the cotangent `ct`; outputs `y`, `dx`, `dw`.
+    /// Returns the graph and its input types.
+    pub fn grad_graph(&self, dtype: DType) -> (Graph, [TensorType; 3]) {
+        let xt = TensorType::new(dtype, self.x.as_slice());
+        let kt = TensorType::new(dtype, self.k.as_slice());
+        let mut g = Graph::new();
+        let a = g.add_input(InputKind::Data, "x", xt.clone());
+        let b = g.add_input(InputKind::Parameter, "w", kt.clone());
+        let y = g.add(Op::Conv(self.attrs.clone()), &[a, b]).unwrap();
+        let yt = g.node(y).ty.clone();
+        let ct = g.add_input(InputKind::Cotangent, "ct", yt.clone());
+        let grads = vjp(&mut g, y, ct, &[true, true]).unwrap();
+        g.set_outputs(vec![y, grads[0].unwrap(), grads[1].unwrap()])
+            .unwrap();
+        (g, [xt, kt, yt])
+    }
 }
