@@ -3,11 +3,13 @@
 //! B rows train exactly like one device on the N·B-row batch (for a loss that is a mean over
 //! the batch); parameters and optimizer state stay resident and donated on every device.
 //!
-//! Tolerances: the same well-conditioned MLP as `tests/train.rs`; the only difference between
+//! Tolerances: the same well-conditioned MLP as `tests/train.rs` (`common::Net`); the only difference between
 //! the runs is the summation order of the batch mean (per replica, then across replicas), a
 //! few float32 ulps, so 1e-5 relative leaves two orders of magnitude.
 
 mod common;
+
+use common::{batch, mse, rel_err_l2, sgd_step, store_values, Net, Values};
 
 use kiln::autograd::SavePolicy;
 use kiln::backend::eager::EagerBackend;
@@ -18,72 +20,6 @@ use kiln::nn::{Init, Linear, Module, ParamStore};
 use kiln::optim::{AdamW, Optimizer, Sgd};
 use kiln::train::{TrainMode, TrainStep};
 use kiln::{DType, Tensor, TraceMode};
-
-/// A 2-layer MLP with a tanh and a running mean of its hidden layer (a BatchNorm-like buffer).
-struct Net {
-    l1: Linear,
-    l2: Linear,
-    running: Tensor,
-}
-
-impl Net {
-    fn new(store: &ParamStore) -> kiln::Result<Net> {
-        let r = store.root();
-        Ok(Net {
-            l1: Linear::new(&r.sub("l1"), 6, 16, true)?,
-            l2: Linear::new(&r.sub("l2"), 16, 3, true)?,
-            running: r.buffer("running", &[16], Init::Const(0.0), DType::F32)?,
-        })
-    }
-}
-
-impl Module for Net {
-    fn forward_t(&self, x: &Tensor, train: bool) -> kiln::Result<Tensor> {
-        let h = self.l1.forward(x)?.tanh()?;
-        if train {
-            let m = h.mean(&[0], false)?.detach()?;
-            self.running
-                .assign(&self.running.mul_scalar(0.9)?.add(&m.mul_scalar(0.1)?)?)?;
-        }
-        self.l2.forward(&h)
-    }
-}
-
-fn mse(net: &Net, xs: &[Tensor]) -> kiln::Result<Tensor> {
-    net.forward_t(&xs[0], true)?
-        .sub(&xs[1])?
-        .square()?
-        .mean_all()
-}
-
-fn batch(rows: usize, seed: u64) -> kiln::Result<Vec<Tensor>> {
-    Ok(vec![
-        Tensor::randn(&[rows, 6], seed)?,
-        Tensor::randn(&[rows, 3], seed + 100)?,
-    ])
-}
-
-fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-12);
-    num / den
-}
-
-/// Every variable of a store by name, as float64.
-type Values = Vec<(String, Vec<f64>)>;
-
-fn values(store: &ParamStore) -> Values {
-    store
-        .vars()
-        .into_iter()
-        .map(|(n, t)| (n, t.to_f64_vec().unwrap()))
-        .collect()
-}
 
 /// Trains from the same initial parameters on one device (batch of `rows`) and on `replicas`
 /// devices (the same batch, `rows / replicas` per replica); returns the largest relative
@@ -118,7 +54,7 @@ where
     O: Optimizer + Copy + 'static,
 {
     let one_store = ParamStore::with_seed(7);
-    let one_net = Net::new(&one_store)?;
+    let one_net = Net::new(&one_store, 0.0)?;
     let mut one = TrainStep::new(XlaBackend::new()?, &one_store, opt, move |xs| {
         mse(&one_net, xs)
     })?
@@ -127,7 +63,7 @@ where
     .with_save_policy(policy)
     .with_lr(0.05);
     let dp_store = ParamStore::with_seed(7);
-    let dp_net = Net::new(&dp_store)?;
+    let dp_net = Net::new(&dp_store, 0.0)?;
     let mut dp = TrainStep::new(backend, &dp_store, opt, move |xs| mse(&dp_net, xs))?
         .with_mode(mode)
         .with_trace_mode(trace)
@@ -140,8 +76,11 @@ where
         worst = worst.max(((l1 - ln) / l1).abs());
         one.sync_to_store()?;
         dp.sync_to_store()?;
-        for ((name, a), (_, b)) in values(&dp_store).iter().zip(values(&one_store).iter()) {
-            let e = rel_err(a, b);
+        for ((name, a), (_, b)) in store_values(&dp_store)
+            .iter()
+            .zip(store_values(&one_store).iter())
+        {
+            let e = rel_err_l2(a, b);
             assert!(e < 1e-5, "{mode:?} step {s}: {name} rel err {e:e}");
             worst = worst.max(e);
         }
@@ -184,15 +123,15 @@ fn all_reduced_gradients_are_the_mean_of_the_replicas_gradients() -> kiln::Resul
             .square()?
             .sum_all()
     };
-    let p0 = values(&{
+    let p0 = store_values(&{
         let s = ParamStore::with_seed(11);
-        Net::new(&s)?;
+        Net::new(&s, 0.0)?;
         s
     });
     let mut per_replica: Vec<Values> = Vec::new();
     for r in 0..replicas {
         let store = ParamStore::with_seed(11);
-        let net = Net::new(&store)?;
+        let net = Net::new(&store, 0.0)?;
         let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
             loss(&net, xs)
         })?
@@ -203,11 +142,11 @@ fn all_reduced_gradients_are_the_mean_of_the_replicas_gradients() -> kiln::Resul
             .collect::<kiln::Result<_>>()?;
         step.step(&shard_batch)?;
         step.sync_to_store()?;
-        per_replica.push(values(&store));
+        per_replica.push(store_values(&store));
     }
     for mode in [TrainMode::Split, TrainMode::Fused] {
         let store = ParamStore::with_seed(11);
-        let net = Net::new(&store)?;
+        let net = Net::new(&store, 0.0)?;
         let mut step = TrainStep::new(
             XlaBackend::new()?.replicated(replicas)?,
             &store,
@@ -218,7 +157,7 @@ fn all_reduced_gradients_are_the_mean_of_the_replicas_gradients() -> kiln::Resul
         .with_lr(1.0);
         step.step(&b)?;
         step.sync_to_store()?;
-        let got = values(&store);
+        let got = store_values(&store);
         for (k, (name, p0)) in p0.iter().enumerate() {
             if name.ends_with("running") {
                 continue;
@@ -229,7 +168,7 @@ fn all_reduced_gradients_are_the_mean_of_the_replicas_gradients() -> kiln::Resul
                 })
                 .collect();
             let dp_grad: Vec<f64> = p0.iter().zip(&got[k].1).map(|(a, b)| a - b).collect();
-            let e = rel_err(&dp_grad, &mean_grad);
+            let e = rel_err_l2(&dp_grad, &mean_grad);
             assert!(e < 1e-5, "{mode:?}: {name}: rel err {e:e}");
         }
     }
@@ -240,7 +179,7 @@ fn all_reduced_gradients_are_the_mean_of_the_replicas_gradients() -> kiln::Resul
 fn a_batch_the_replicas_cannot_split_is_an_error() -> kiln::Result<()> {
     let xla = XlaBackend::new()?;
     let store = ParamStore::with_seed(0);
-    let net = Net::new(&store)?;
+    let net = Net::new(&store, 0.0)?;
     let mut step = TrainStep::new(xla.replicated(4)?, &store, Sgd::new(), move |xs| {
         mse(&net, xs)
     })?;
@@ -262,16 +201,10 @@ fn only_the_batch_shards_move_and_state_is_donated_on_every_device() -> kiln::Re
     let replicas = 2;
     for mode in [TrainMode::Split, TrainMode::Fused] {
         let store = ParamStore::with_seed(1);
-        let net = Net::new(&store)?;
+        let net = Net::new(&store, 0.0)?;
         let n_params = store.trainable().len() as u64;
-        let mut step = TrainStep::new(
-            XlaBackend::new()?.replicated(replicas)?,
-            &store,
-            Sgd::new().momentum(0.9),
-            move |xs| mse(&net, xs),
-        )?
-        .with_mode(mode)
-        .with_lr(0.01);
+        let backend = XlaBackend::new()?.replicated(replicas)?;
+        let mut step = sgd_step(backend, &store, net, mode, 0.01)?;
         let b = batch(8, 0)?;
         let batch_bytes: usize = b.iter().map(|t| t.ty().size_in_bytes()).sum();
         step.step(&b)?;
@@ -306,7 +239,7 @@ fn only_the_batch_shards_move_and_state_is_donated_on_every_device() -> kiln::Re
 fn inference_shards_the_batch_and_joins_the_results() -> kiln::Result<()> {
     let xla = XlaBackend::new()?;
     let store = ParamStore::with_seed(5);
-    let net = kiln::nn::Shared::new(Net::new(&store)?);
+    let net = kiln::nn::Shared::new(Net::new(&store, 0.0)?);
     let x = Tensor::randn(&[8, 6], 9)?;
     let one_net = net.clone();
     let mut one = kiln::compile(xla.clone(), move |xs: &[Tensor]| {
@@ -321,7 +254,7 @@ fn inference_shards_the_batch_and_joins_the_results() -> kiln::Result<()> {
         let y = f.run(std::slice::from_ref(&x))?;
         assert_eq!(y[0].ty().shape.dims(), &[8, 3]);
         // Row order too: replica r computes rows r·B/N.. of the batch.
-        let e = rel_err(&y[0].to_f64_vec()?, &want);
+        let e = rel_err_l2(&y[0].to_f64_vec()?, &want);
         assert!(e < 1e-6, "{replicas} replicas: rel err {e:e}");
         // Steady state: the shards go in, the replicas' results come out; the weights stay.
         let before = f.stats();
@@ -504,7 +437,7 @@ fn checkpoints_and_the_disk_cache_work_on_replicas() -> kiln::Result<()> {
     let xla = XlaBackend::new()?;
     let make = |seed: u64| -> kiln::Result<(TrainStep<_>, ParamStore)> {
         let store = ParamStore::with_seed(seed);
-        let net = Net::new(&store)?;
+        let net = Net::new(&store, 0.0)?;
         let step = TrainStep::new(xla.replicated(2)?, &store, AdamW::default(), move |xs| {
             mse(&net, xs)
         })?
@@ -528,7 +461,7 @@ fn checkpoints_and_the_disk_cache_work_on_replicas() -> kiln::Result<()> {
     }
     a.sync_to_store()?;
     b.sync_to_store()?;
-    assert_eq!(values(&a_store), values(&b_store));
+    assert_eq!(store_values(&a_store), store_values(&b_store));
     assert_eq!(b.stats().compiles, 0, "{}", b.stats());
     assert!(b.stats().disk_hits > 0, "{}", b.stats());
     let _ = std::fs::remove_dir_all(&dir);
@@ -552,7 +485,7 @@ fn a_constant_gradient_is_averaged_to_itself() -> kiln::Result<()> {
             .with_lr(0.1);
         step.step(&batch(8, 1)?[..1])?;
         step.sync_to_store()?;
-        Ok(values(&store))
+        Ok(store_values(&store))
     };
     let one = run(1)?;
     let b = &one.iter().find(|(n, _)| n == "b").unwrap().1;
@@ -560,7 +493,7 @@ fn a_constant_gradient_is_averaged_to_itself() -> kiln::Result<()> {
     assert!(b.iter().all(|&v| (v - 0.4).abs() < 1e-7), "{b:?}");
     for replicas in [2, 4] {
         for ((name, a), (_, b)) in run(replicas)?.iter().zip(&one) {
-            let e = rel_err(a, b);
+            let e = rel_err_l2(a, b);
             assert!(e < 1e-6, "{replicas} replicas: {name}: rel err {e:e}");
         }
     }
@@ -612,7 +545,7 @@ fn replicas_run_the_libtorch_kernels_too() -> kiln::Result<()> {
         let y = Tensor::randn(&[8, 3], 4)?;
         let loss = step.step(&[x, y])?;
         step.sync_to_store()?;
-        Ok((loss, values(&store)))
+        Ok((loss, store_values(&store)))
     };
     let (l1, p1) = run(1)?;
     for replicas in [2, 4] {
@@ -622,7 +555,7 @@ fn replicas_run_the_libtorch_kernels_too() -> kiln::Result<()> {
             "{replicas}: loss {ln} vs {l1}"
         );
         for ((name, a), (_, b)) in pn.iter().zip(&p1) {
-            let e = rel_err(a, b);
+            let e = rel_err_l2(a, b);
             assert!(e < 1e-5, "{replicas} replicas: {name}: rel err {e:e}");
         }
     }

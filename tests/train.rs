@@ -7,6 +7,9 @@
 //! limits (1e-5 relative) leave two orders of magnitude on any instruction set
 //! (`scripts/test_isa.sh`). Large models are judged against float64 in `zoo_grad.rs`.
 
+mod common;
+
+use common::{batch, mse, rel_err_l2, sgd_step, store_values, Net};
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::XlaBackend;
 use kiln::backend::Backend;
@@ -14,73 +17,6 @@ use kiln::nn::{Init, Linear, Module, ParamStore};
 use kiln::optim::{AdamW, Optimizer, Sgd};
 use kiln::train::{EagerTrainStep, TrainMode, TrainStep};
 use kiln::{trace, DType, Tensor, TensorType, TraceMode};
-
-/// A 2-layer MLP with a tanh, and a running-mean buffer updated in training mode (the same
-/// mechanism BatchNorm uses).
-struct Net {
-    l1: Linear,
-    l2: Linear,
-    running: Tensor,
-    dropout: f64,
-}
-
-impl Net {
-    fn new(store: &ParamStore, dropout: f64) -> kiln::Result<Net> {
-        let r = store.root();
-        Ok(Net {
-            l1: Linear::new(&r.sub("l1"), 6, 16, true)?,
-            l2: Linear::new(&r.sub("l2"), 16, 3, true)?,
-            running: r.buffer("running", &[16], Init::Const(0.0), DType::F32)?,
-            dropout,
-        })
-    }
-}
-
-impl Module for Net {
-    fn forward_t(&self, x: &Tensor, train: bool) -> kiln::Result<Tensor> {
-        let h = self.l1.forward(x)?.tanh()?;
-        if train {
-            let m = h.mean(&[0], false)?.detach()?;
-            self.running
-                .assign(&self.running.mul_scalar(0.9)?.add(&m.mul_scalar(0.1)?)?)?;
-        }
-        let h = h.dropout(self.dropout, train)?;
-        self.l2.forward(&h)
-    }
-}
-
-fn loss_of(net: &Net, xs: &[Tensor]) -> kiln::Result<Tensor> {
-    net.forward_t(&xs[0], true)?
-        .sub(&xs[1])?
-        .square()?
-        .mean_all()
-}
-
-fn batch(seed: u64) -> kiln::Result<Vec<Tensor>> {
-    Ok(vec![
-        Tensor::randn(&[8, 6], seed)?,
-        Tensor::randn(&[8, 3], seed + 100)?,
-    ])
-}
-
-fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-12);
-    num / den
-}
-
-fn store_values(store: &ParamStore) -> Vec<(String, Vec<f64>)> {
-    store
-        .vars()
-        .into_iter()
-        .map(|(n, t)| (n, t.to_f64_vec().unwrap()))
-        .collect()
-}
 
 fn compare_with_eager<O: Optimizer + Copy + 'static>(
     opt: O,
@@ -90,15 +26,15 @@ fn compare_with_eager<O: Optimizer + Copy + 'static>(
     let eager_store = ParamStore::with_seed(3);
     let eager_net = Net::new(&eager_store, 0.0)?;
     let mut eager =
-        EagerTrainStep::new(&eager_store, opt, move |xs| loss_of(&eager_net, xs))?.with_lr(lr);
+        EagerTrainStep::new(&eager_store, opt, move |xs| mse(&eager_net, xs))?.with_lr(lr);
 
     let store = ParamStore::with_seed(3);
     let net = Net::new(&store, 0.0)?;
-    let mut step = TrainStep::new(XlaBackend::new()?, &store, opt, move |xs| loss_of(&net, xs))?
+    let mut step = TrainStep::new(XlaBackend::new()?, &store, opt, move |xs| mse(&net, xs))?
         .with_mode(mode)
         .with_lr(lr);
     for s in 0..5 {
-        let b = batch(s)?;
+        let b = batch(8, s)?;
         let le = eager.step(&b)?;
         let lc = step.step(&b)?;
         assert!(
@@ -108,7 +44,7 @@ fn compare_with_eager<O: Optimizer + Copy + 'static>(
     }
     step.sync_to_store()?;
     for ((name, got), (_, want)) in store_values(&store).iter().zip(store_values(&eager_store)) {
-        let e = rel_err(got, &want);
+        let e = rel_err_l2(got, &want);
         assert!(e < 1e-5, "{mode:?}: {name} differs from eager by {e:e}");
     }
     assert_eq!(
@@ -138,15 +74,8 @@ fn executables_transfers_and_donation_per_step() -> kiln::Result<()> {
         let store = ParamStore::with_seed(1);
         let net = Net::new(&store, 0.0)?;
         let n_params = store.trainable().len() as u64;
-        let mut step = TrainStep::new(
-            XlaBackend::new()?,
-            &store,
-            Sgd::new().momentum(0.9),
-            move |xs| loss_of(&net, xs),
-        )?
-        .with_mode(mode)
-        .with_lr(0.01);
-        let b = batch(0)?;
+        let mut step = sgd_step(XlaBackend::new()?, &store, net, mode, 0.01)?;
+        let b = batch(8, 0)?;
         let batch_bytes: usize = b.iter().map(|t| t.ty().size_in_bytes()).sum();
         step.step(&b)?;
         step.step(&b)?;
@@ -181,21 +110,13 @@ fn executables_transfers_and_donation_per_step() -> kiln::Result<()> {
 fn synchronize_waits_for_the_whole_step_without_transfers() -> kiln::Result<()> {
     for mode in [TrainMode::Split, TrainMode::Fused] {
         let make = |store: &ParamStore| -> kiln::Result<TrainStep<XlaBackend>> {
-            let net = Net::new(store, 0.0)?;
-            Ok(TrainStep::new(
-                XlaBackend::new()?,
-                store,
-                Sgd::new().momentum(0.9),
-                move |xs| loss_of(&net, xs),
-            )?
-            .with_mode(mode)
-            .with_lr(0.05))
+            sgd_step(XlaBackend::new()?, store, Net::new(store, 0.0)?, mode, 0.05)
         };
         let (a, b) = (ParamStore::with_seed(4), ParamStore::with_seed(4));
         let (mut sa, mut sb) = (make(&a)?, make(&b)?);
         // Nothing has run: nothing to wait for.
         sa.synchronize()?;
-        let x = batch(7)?;
+        let x = batch(8, 7)?;
         let before = sa.stats();
         for _ in 0..4 {
             sa.step_async(&x)?;
@@ -222,11 +143,11 @@ fn state_updates_match_eager_and_lr_changes_do_not_recompile() -> kiln::Result<(
     let eager_store = ParamStore::with_seed(4);
     let en = Net::new(&eager_store, 0.0)?;
     let mut eager =
-        EagerTrainStep::new(&eager_store, Sgd::new(), move |xs| loss_of(&en, xs))?.with_lr(0.1);
+        EagerTrainStep::new(&eager_store, Sgd::new(), move |xs| mse(&en, xs))?.with_lr(0.1);
     let store = ParamStore::with_seed(4);
     let net = Net::new(&store, 0.0)?;
     let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
-        loss_of(&net, xs)
+        mse(&net, xs)
     })?
     .with_mode(TrainMode::Fused)
     .with_lr(0.1);
@@ -234,7 +155,7 @@ fn state_updates_match_eager_and_lr_changes_do_not_recompile() -> kiln::Result<(
         let lr = 0.1 / (1.0 + s as f64);
         eager.set_lr(lr);
         step.set_lr(lr);
-        let b = batch(10 + s)?;
+        let b = batch(8, 10 + s)?;
         eager.step(&b)?;
         step.step(&b)?;
     }
@@ -244,10 +165,10 @@ fn state_updates_match_eager_and_lr_changes_do_not_recompile() -> kiln::Result<(
     step.sync_to_store()?;
     let got = store.get("running").unwrap().to_f64_vec()?;
     let want = eager_store.get("running").unwrap().to_f64_vec()?;
-    assert!(rel_err(&got, &want) < 1e-5);
+    assert!(rel_err_l2(&got, &want) < 1e-5);
     let got = store.get("l1.weight").unwrap().to_f64_vec()?;
     let want = eager_store.get("l1.weight").unwrap().to_f64_vec()?;
-    assert!(rel_err(&got, &want) < 1e-5);
+    assert!(rel_err_l2(&got, &want) < 1e-5);
     Ok(())
 }
 
@@ -308,14 +229,14 @@ fn dropout_training_split_and_fused_draw_the_same_masks() -> kiln::Result<()> {
         let store = ParamStore::with_seed(9);
         let net = Net::new(&store, 0.3)?;
         let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
-            loss_of(&net, xs)
+            mse(&net, xs)
         })?
         .with_mode(mode)
         .with_lr(0.05)
         .with_seed(123)?;
         let mut l = Vec::new();
         for s in 0..4 {
-            l.push(step.step(&batch(s)?)?);
+            l.push(step.step(&batch(8, s)?)?);
         }
         losses.push(l);
     }
@@ -326,11 +247,11 @@ fn dropout_training_split_and_fused_draw_the_same_masks() -> kiln::Result<()> {
     let store = ParamStore::with_seed(9);
     let net = Net::new(&store, 0.3)?;
     let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
-        loss_of(&net, xs)
+        mse(&net, xs)
     })?
     .with_lr(0.0)
     .with_seed(5)?;
-    let b = batch(0)?;
+    let b = batch(8, 0)?;
     let (l1, l2) = (step.step(&b)?, step.step(&b)?);
     assert!(
         (l1 - l2).abs() > 1e-7,
@@ -344,11 +265,11 @@ fn trace_every_step_retraces_but_compiles_once() -> kiln::Result<()> {
     let store = ParamStore::with_seed(2);
     let net = Net::new(&store, 0.0)?;
     let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
-        loss_of(&net, xs)
+        mse(&net, xs)
     })?
     .with_trace_mode(TraceMode::EveryCall)
     .with_lr(0.01);
-    let b = batch(1)?;
+    let b = batch(8, 1)?;
     for _ in 0..5 {
         step.step(&b)?;
     }
@@ -485,12 +406,13 @@ fn a_train_step_moves_to_another_thread() -> kiln::Result<()> {
         let store = ParamStore::with_seed(12);
         let net = Net::new(&store, 0.2)?;
         let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
-            loss_of(&net, xs)
+            mse(&net, xs)
         })?
         .with_lr(0.05)
         .with_seed(3)?;
-        let mut steps =
-            move || -> kiln::Result<Vec<f64>> { (0..4).map(|s| step.step(&batch(s)?)).collect() };
+        let mut steps = move || -> kiln::Result<Vec<f64>> {
+            (0..4).map(|s| step.step(&batch(8, s)?)).collect()
+        };
         if on_worker {
             std::thread::spawn(steps).join().expect("worker panicked")
         } else {

@@ -1,6 +1,6 @@
 //! Helpers shared by the integration tests (`mod common;` in each test file): the XLA backend,
-//! running a graph on a backend, seeded data and relative errors, and the convolution cases of
-//! the convolution suites.
+//! running a graph on a backend, seeded data and relative errors, the convolution cases of the
+//! convolution suites, and the small MLP of the training tests.
 //!
 //! Each test crate compiles this module on its own and uses only part of it.
 #![allow(dead_code)]
@@ -9,6 +9,10 @@ use kiln::autograd::vjp;
 use kiln::backend::xla::XlaBackend;
 use kiln::backend::{Backend, Element, HostTensor};
 use kiln::ir::{ConvAttrs, DType, Graph, InputKind, Op, TensorType};
+use kiln::nn::{Init, Linear, Module, ParamStore};
+use kiln::optim::Sgd;
+use kiln::train::{TrainMode, TrainStep};
+use kiln::Tensor;
 use std::sync::OnceLock;
 
 /// One XLA backend (PJRT CPU plugin) per test binary: loading the plugin costs a second.
@@ -371,4 +375,102 @@ impl ConvCase {
             .unwrap();
         (g, [xt, kt, yt])
     }
+}
+
+// ----- training: a small MLP -------------------------------------------------------------------
+
+/// A 2-layer MLP (6 -> 16 -> 3) with a tanh, a running-mean buffer updated in training mode
+/// (the same mechanism BatchNorm uses), and dropout before the second layer (none at 0).
+///
+/// Well conditioned: smooth (no kink whose side float32 rounding could flip), losses and
+/// parameters O(1), each value a sum of a few dozen products.
+pub struct Net {
+    l1: Linear,
+    l2: Linear,
+    running: Tensor,
+    dropout: f64,
+}
+
+impl Net {
+    /// The MLP's parameters and buffer in `store` (`l1`, `l2`, `running`).
+    pub fn new(store: &ParamStore, dropout: f64) -> kiln::Result<Net> {
+        let r = store.root();
+        Ok(Net {
+            l1: Linear::new(&r.sub("l1"), 6, 16, true)?,
+            l2: Linear::new(&r.sub("l2"), 16, 3, true)?,
+            running: r.buffer("running", &[16], Init::Const(0.0), DType::F32)?,
+            dropout,
+        })
+    }
+}
+
+impl Module for Net {
+    fn forward_t(&self, x: &Tensor, train: bool) -> kiln::Result<Tensor> {
+        let h = self.l1.forward(x)?.tanh()?;
+        if train {
+            let m = h.mean(&[0], false)?.detach()?;
+            self.running
+                .assign(&self.running.mul_scalar(0.9)?.add(&m.mul_scalar(0.1)?)?)?;
+        }
+        let h = h.dropout(self.dropout, train)?;
+        self.l2.forward(&h)
+    }
+}
+
+/// The mean squared error of `net` (training mode) on inputs `xs[0]` and targets `xs[1]`.
+pub fn mse(net: &Net, xs: &[Tensor]) -> kiln::Result<Tensor> {
+    net.forward_t(&xs[0], true)?
+        .sub(&xs[1])?
+        .square()?
+        .mean_all()
+}
+
+/// A training step of `net` (whose variables `store` holds) on `backend`: [`mse`], SGD with
+/// momentum 0.9, learning rate `lr`, in `mode`.
+pub fn sgd_step<B: Backend>(
+    backend: B,
+    store: &ParamStore,
+    net: Net,
+    mode: TrainMode,
+    lr: f64,
+) -> kiln::Result<TrainStep<B>> {
+    Ok(
+        TrainStep::new(backend, store, Sgd::new().momentum(0.9), move |xs| {
+            mse(&net, xs)
+        })?
+        .with_mode(mode)
+        .with_lr(lr),
+    )
+}
+
+/// Seeded inputs `[rows, 6]` and targets `[rows, 3]` for [`Net`].
+pub fn batch(rows: usize, seed: u64) -> kiln::Result<Vec<Tensor>> {
+    Ok(vec![
+        Tensor::randn(&[rows, 6], seed)?,
+        Tensor::randn(&[rows, 3], seed + 100)?,
+    ])
+}
+
+/// Normwise relative error `|a - b|₂ / |b|₂` (denominator at least 1e-12).
+pub fn rel_err_l2(a: &[f64], b: &[f64]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let den: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt().max(1e-12);
+    num / den
+}
+
+/// Every variable of a store by name, as float64.
+pub type Values = Vec<(String, Vec<f64>)>;
+
+/// The variables of `store` (parameters and buffers) by name, as float64.
+pub fn store_values(store: &ParamStore) -> Values {
+    store
+        .vars()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_f64_vec().unwrap()))
+        .collect()
 }
