@@ -17,11 +17,13 @@
 //! outcome (which set of choices the graph was compiled with: the measured per-node choices,
 //! the rule's, or pure XLA's, and each one's ms per run) is printed too.
 
+#[path = "common/profile.rs"]
+mod profile;
+
 use kiln::backend::xla::{Autotune, FfiMode, Lowering, NodeChoice, XlaBackend, XlaOptions};
-use kiln::optim::Sgd;
-use kiln::train::{TrainMode, TrainStep};
 use kiln::zoo::{self, Model, SharedModel};
 use kiln::{compile, Tensor};
+use profile::{median, train_step, Runner};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -68,9 +70,8 @@ fn parse() -> kiln::Result<Args> {
     Ok(a)
 }
 
-/// One way of running the model: a closure that runs it once (and waits).
-type Runner = Box<dyn FnMut() -> kiln::Result<()>>;
-
+/// One way of running the model (a closure that runs it once and waits), and the seconds its
+/// first call took.
 fn runner(
     b: XlaBackend,
     model: &SharedModel,
@@ -80,18 +81,7 @@ fn runner(
     let t0 = Instant::now();
     let inputs = inputs.to_vec();
     if training {
-        let m = model.clone();
-        let mut step = TrainStep::new(
-            b,
-            model.store(),
-            Sgd::new().momentum(0.9),
-            move |xs: &[Tensor]| {
-                let out = m.forward(xs, true)?;
-                m.loss(&out, xs)
-            },
-        )?
-        .with_mode(TrainMode::Fused)
-        .with_lr(1e-3);
+        let mut step = train_step(b, model)?;
         step.step(&inputs)?;
         let first = t0.elapsed().as_secs_f64();
         Ok((
@@ -114,11 +104,6 @@ fn runner(
             first,
         ))
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn summary(name: &str, what: &str, report: &[NodeChoice], top: usize, all: bool) {

@@ -19,54 +19,20 @@
 //! `--no-torch` skips the libtorch column. `--opt NAME=VALUE` adds an XLA debug option override (`true`/`false`, an integer, a float,
 //! else a string) to the "after" options; `--conv direct|im2col|auto` sets their strategy.
 
+#[path = "common/profile.rs"]
+mod profile;
+
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::{ConvLowering, ConvStrategy, OptionValue, XlaBackend, XlaOptions};
-use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{ConvAttrs, Graph, InputKind, Op, TensorType};
 use kiln::optim::Sgd;
-use kiln::train::{EagerTrainStep, TrainMode, TrainStep};
+use kiln::train::EagerTrainStep;
 use kiln::zoo::{self, Model, SharedModel};
 use kiln::{compile, Tensor};
+use profile::recorder::Recorder;
+use profile::{interleaved, median, random, runner, train_step};
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
-
-/// Records every graph it compiles, then delegates.
-struct Recorder {
-    inner: XlaBackend,
-    graphs: Arc<Mutex<Vec<Graph>>>,
-}
-
-impl Backend for Recorder {
-    type Buffer = <XlaBackend as Backend>::Buffer;
-    type Executable = <XlaBackend as Backend>::Executable;
-    fn name(&self) -> &str {
-        "recorder"
-    }
-    fn compile(&self, graph: &Graph) -> kiln::Result<Self::Executable> {
-        self.graphs.lock().unwrap().push(graph.clone());
-        self.inner.compile(graph)
-    }
-    fn execute(
-        &self,
-        exe: &Self::Executable,
-        inputs: &[&Self::Buffer],
-    ) -> kiln::Result<Vec<Self::Buffer>> {
-        self.inner.execute(exe, inputs)
-    }
-    fn to_device(&self, t: &HostTensor) -> kiln::Result<Self::Buffer> {
-        self.inner.to_device(t)
-    }
-    fn to_host(&self, b: &Self::Buffer) -> kiln::Result<HostTensor> {
-        self.inner.to_host(b)
-    }
-    fn buffer_type(&self, b: &Self::Buffer) -> kiln::Result<TensorType> {
-        self.inner.buffer_type(b)
-    }
-    fn sync(&self, b: &Self::Buffer) -> kiln::Result<()> {
-        self.inner.sync(b)
-    }
-}
 
 struct Args {
     model: String,
@@ -132,68 +98,6 @@ fn parse() -> kiln::Result<Args> {
     Ok(a)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn random(ty: &TensorType, seed: u64) -> kiln::Result<HostTensor> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    let vals: Vec<f32> = (0..ty.shape.numel())
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-        })
-        .collect();
-    HostTensor::from_slice(ty.shape.dims(), &vals)
-}
-
-/// A prepared one-graph run: `f()` runs it once and waits.
-type Runner = Box<dyn FnMut() -> kiln::Result<()>>;
-
-fn runner<B: Backend + 'static>(b: B, g: &Graph, inputs: &[HostTensor]) -> kiln::Result<Runner> {
-    let exe = b.compile(g)?;
-    let bufs: Vec<B::Buffer> = inputs
-        .iter()
-        .map(|h| b.to_device(h))
-        .collect::<kiln::Result<_>>()?;
-    Ok(Box::new(move || {
-        let refs: Vec<&B::Buffer> = bufs.iter().collect();
-        let out = b.execute(&exe, &refs)?;
-        for o in &out {
-            b.sync(o)?;
-        }
-        Ok(())
-    }))
-}
-
-/// Times the runners round-robin: `reps` rounds, each call repeated to take >= 20 ms.
-fn interleaved(rs: &mut [Runner], reps: usize) -> kiln::Result<Vec<f64>> {
-    let mut iters = Vec::new();
-    for r in rs.iter_mut() {
-        r()?;
-        let t = Instant::now();
-        r()?;
-        let dt = t.elapsed().as_secs_f64();
-        iters.push(((0.02 / dt).ceil() as usize).clamp(1, 200));
-    }
-    let mut times = vec![Vec::new(); rs.len()];
-    for _ in 0..reps {
-        for (i, r) in rs.iter_mut().enumerate() {
-            let t = Instant::now();
-            for _ in 0..iters[i] {
-                r()?;
-            }
-            times[i].push(t.elapsed().as_secs_f64() / iters[i] as f64);
-        }
-    }
-    Ok(times.into_iter().map(median).collect())
-}
-
 fn conv_key(c: &ConvAttrs, x: &TensorType, w: &TensorType) -> String {
     let kind = if c.lhs_dilation.iter().any(|&d| d > 1) {
         "dx/s2"
@@ -217,29 +121,10 @@ fn conv_key(c: &ConvAttrs, x: &TensorType, w: &TensorType) -> String {
     )
 }
 
-fn train_step<B: Backend + 'static>(backend: B, model: &SharedModel) -> kiln::Result<TrainStep<B>> {
-    let m = model.clone();
-    Ok(TrainStep::new(
-        backend,
-        model.store(),
-        Sgd::new().momentum(0.9),
-        move |xs: &[Tensor]| {
-            let out = m.forward(xs, true)?;
-            m.loss(&out, xs)
-        },
-    )?
-    .with_mode(TrainMode::Fused)
-    .with_lr(1e-3))
-}
-
 fn convs(args: &Args, xla: &XlaBackend) -> kiln::Result<()> {
     let model: SharedModel = SharedModel::new(zoo::build(&args.model, 0)?);
     let inputs = model.example_inputs(4, 1)?;
-    let graphs = Arc::new(Mutex::new(Vec::new()));
-    let rec = Recorder {
-        inner: xla.with_options(XlaOptions::plain()),
-        graphs: graphs.clone(),
-    };
+    let (rec, graphs) = Recorder::new(xla.with_options(XlaOptions::plain()));
     let mut step = train_step(rec, &model)?;
     step.step(&inputs)?;
     let mut found: BTreeMap<String, (ConvAttrs, TensorType, TensorType, usize)> = BTreeMap::new();
@@ -294,7 +179,7 @@ fn convs(args: &Args, xla: &XlaBackend) -> kiln::Result<()> {
         if args.torch {
             rs.push(runner(EagerBackend::new(), &g, &ins)?);
         }
-        let mut t = interleaved(&mut rs, args.reps)?;
+        let mut t = interleaved(&mut rs, args.reps, median)?;
         if !args.torch {
             t.push(f64::NAN);
         }

@@ -8,9 +8,10 @@
 
 mod common;
 
+use common::recorder::Recorder;
 use common::{autograd_conv_layers, conv_cases, conv_graph, run, xla, LOWERING};
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::{ConvLowering, ConvStrategy, XlaBackend, XlaOptions};
+use kiln::backend::xla::{ConvLowering, ConvStrategy, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{ConvAttrs, DType, Graph, Op, TensorType};
 use kiln::nn::{Init, ParamStore};
@@ -18,7 +19,6 @@ use kiln::optim::Sgd;
 use kiln::passes::im2col_graph;
 use kiln::train::TrainStep;
 use kiln::{compile, Tensor};
-use std::sync::{Arc, Mutex};
 
 fn random(ty: &TensorType, seed: u64) -> HostTensor {
     let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -163,56 +163,6 @@ fn unknown_debug_option_is_a_compile_error() {
     assert!(e.contains("xla_cpu_no_such_option"), "{e}");
 }
 
-/// Records the graphs kiln compiles on it; everything else is the XLA backend's, including
-/// its rewrite.
-struct Recorder {
-    inner: XlaBackend,
-    graphs: Arc<Mutex<Vec<Graph>>>,
-}
-
-impl Recorder {
-    fn new(strategy: ConvStrategy) -> (Self, Arc<Mutex<Vec<Graph>>>) {
-        let graphs = Arc::new(Mutex::new(Vec::new()));
-        let inner = xla().with_options(XlaOptions::plain().conv(strategy));
-        let r = Recorder {
-            inner,
-            graphs: graphs.clone(),
-        };
-        (r, graphs)
-    }
-}
-
-impl Backend for Recorder {
-    type Buffer = <XlaBackend as Backend>::Buffer;
-    type Executable = <XlaBackend as Backend>::Executable;
-    fn name(&self) -> &str {
-        "recorder"
-    }
-    fn rewrite(&self, graph: &mut Graph) -> kiln::Result<()> {
-        self.inner.rewrite(graph)
-    }
-    fn compile(&self, graph: &Graph) -> kiln::Result<Self::Executable> {
-        self.graphs.lock().unwrap().push(graph.clone());
-        self.inner.compile(graph)
-    }
-    fn execute(
-        &self,
-        exe: &Self::Executable,
-        inputs: &[&Self::Buffer],
-    ) -> kiln::Result<Vec<Self::Buffer>> {
-        self.inner.execute(exe, inputs)
-    }
-    fn to_device(&self, t: &HostTensor) -> kiln::Result<Self::Buffer> {
-        self.inner.to_device(t)
-    }
-    fn to_host(&self, b: &Self::Buffer) -> kiln::Result<HostTensor> {
-        self.inner.to_host(b)
-    }
-    fn buffer_type(&self, b: &Self::Buffer) -> kiln::Result<TensorType> {
-        self.inner.buffer_type(b)
-    }
-}
-
 fn num_convs(g: &Graph) -> usize {
     g.topo_order()
         .into_iter()
@@ -241,7 +191,8 @@ fn compiled_programs_hold_the_rewritten_graph() {
     let want = tch::no_grad(|| two_convs(&inputs)).unwrap().remove(0);
     let want = want.to_host().unwrap();
     for (strategy, convs) in [(ConvStrategy::Direct, 2), (ConvStrategy::Im2col, 0)] {
-        let (rec, graphs) = Recorder::new(strategy.clone());
+        let (rec, graphs) =
+            Recorder::new(xla().with_options(XlaOptions::plain().conv(strategy.clone())));
         let mut f = compile(rec, two_convs);
         let got = f.run(&inputs).unwrap().remove(0).to_host().unwrap();
         assert_close(&format!("{strategy:?}"), &got, &want, 1e-5);
@@ -293,7 +244,7 @@ fn train_stages_are_rewritten() {
                 },
             )
             .unwrap();
-        let (rec, graphs) = Recorder::new(strategy);
+        let (rec, graphs) = Recorder::new(xla().with_options(XlaOptions::plain().conv(strategy)));
         let mut step = TrainStep::new(rec, &store, Sgd::new(), move |xs: &[Tensor]| {
             let y = xs[0].conv2d(&w, None, [2, 2], [1, 1], [1, 1], 1)?;
             y.mul(&y)?.mean_all()

@@ -15,6 +15,10 @@ use kiln::train::{TrainMode, TrainStep};
 use kiln::Tensor;
 use std::sync::OnceLock;
 
+/// The backend that records the graphs kiln compiles on it (shared with the examples).
+#[path = "../../examples/common/recorder.rs"]
+pub mod recorder;
+
 /// One XLA backend (PJRT CPU plugin) per test binary: loading the plugin costs a second.
 pub fn xla() -> &'static XlaBackend {
     static X: OnceLock<XlaBackend> = OnceLock::new();
