@@ -257,6 +257,32 @@ fn capture(
     Ok(found)
 }
 
+/// One way of running a whole model once (borrowing the model and its inputs).
+type Run<'a> = Box<dyn FnMut() -> kiln::Result<()> + 'a>;
+
+/// For each run, one value per round.
+type PerRound<T> = Vec<Vec<T>>;
+
+/// `reps` rounds of every run in turn: each run's seconds and kernel counters (time inside
+/// the kernels, zero for runs without them), one per round.
+fn rounds(
+    reps: usize,
+    runs: &mut [Run<'_>],
+) -> kiln::Result<(PerRound<f64>, PerRound<kernels::KernelStats>)> {
+    let mut times = vec![Vec::new(); runs.len()];
+    let mut kern = vec![Vec::new(); runs.len()];
+    for _ in 0..reps {
+        for (i, r) in runs.iter_mut().enumerate() {
+            kernels::reset_stats();
+            let s = Instant::now();
+            r()?;
+            times[i].push(s.elapsed().as_secs_f64());
+            kern[i].push(kernels::stats());
+        }
+    }
+    Ok((times, kern))
+}
+
 /// Whole-model times, ms: eager, XLA, XLA + FFI auto, XLA + FFI all; interleaved, best round.
 fn e2e(name: &str, reps: usize, xla: &XlaBackend) -> kiln::Result<()> {
     let model: SharedModel = SharedModel::new(zoo::build(name, 0)?);
@@ -277,21 +303,16 @@ fn e2e(name: &str, reps: usize, xla: &XlaBackend) -> kiln::Result<()> {
         println!("{name} inference, ffi {m:?}: max |xla - eager| {err:.2e}");
         fns.push(f);
     }
-    let mut inf = vec![Vec::new(); 4];
-    // Time inside the kernels per run of the FFI variants (best run's share).
-    let mut kern = vec![Vec::new(); 4];
-    for _ in 0..reps {
-        let s = Instant::now();
+    let mut runs: Vec<Run<'_>> = vec![Box::new(|| {
         tch::no_grad(|| model.forward(&inputs, false))?;
-        inf[0].push(s.elapsed().as_secs_f64());
-        for (i, f) in fns.iter_mut().enumerate() {
-            kernels::reset_stats();
-            let s = Instant::now();
-            f.run(&inputs)?;
-            inf[i + 1].push(s.elapsed().as_secs_f64());
-            kern[i + 1].push(kernels::stats());
-        }
+        Ok(())
+    })];
+    let ins = &inputs;
+    for f in fns.iter_mut() {
+        runs.push(Box::new(move || f.run(ins).map(drop)));
     }
+    let (inf, kern) = rounds(reps, &mut runs)?;
+    drop(runs);
     print_kernel_share(name, "inference", &inf, &kern);
     let m = model.clone();
     let mut eager =
@@ -311,20 +332,12 @@ fn e2e(name: &str, reps: usize, xla: &XlaBackend) -> kiln::Result<()> {
         "{name} first training loss, eager: {:.5}",
         eager.step(&inputs)?
     );
-    let mut tr = vec![Vec::new(); 4];
-    let mut kern = vec![Vec::new(); 4];
-    for _ in 0..reps {
-        let s = Instant::now();
-        eager.step(&inputs)?;
-        tr[0].push(s.elapsed().as_secs_f64());
-        for (i, st) in steps.iter_mut().enumerate() {
-            kernels::reset_stats();
-            let s = Instant::now();
-            st.step(&inputs)?;
-            tr[i + 1].push(s.elapsed().as_secs_f64());
-            kern[i + 1].push(kernels::stats());
-        }
+    let mut runs: Vec<Run<'_>> = vec![Box::new(|| eager.step(&inputs).map(drop))];
+    for st in steps.iter_mut() {
+        runs.push(Box::new(move || st.step(ins).map(drop)));
     }
+    let (tr, kern) = rounds(reps, &mut runs)?;
+    drop(runs);
     print_kernel_share(name, "training", &tr, &kern);
     println!(
         "{:<14} {:<11} {:>9} {:>9} {:>9} {:>9}",
