@@ -273,6 +273,60 @@ fn inference_shards_the_batch_and_joins_the_results() -> kiln::Result<()> {
     Ok(())
 }
 
+/// Two threads run different replicated programs at once, each on its own client (an f32
+/// sum and an f64 max, both over 2 replicas): every call gets its own replicas' combination.
+/// XLA's CPU client names an execution's collectives by its launch id; when every call used
+/// the default id 0, concurrent calls met in one rendezvous and this crashed (SIGSEGV) or
+/// mixed their values.
+#[test]
+fn concurrent_replicated_calls_keep_their_collectives_apart() -> kiln::Result<()> {
+    let worker = |dtype: DType, kind: ReduceKind, replicas: usize, len: usize| {
+        std::thread::spawn(move || -> kiln::Result<()> {
+            let b = XlaBackend::new()?.replicated(replicas)?;
+            let ty = TensorType::new(dtype, [len]);
+            let mut g = Graph::new();
+            let x = g.add_input(InputKind::Data, "x", ty);
+            let y = g.add(Op::AllReduce(kind), &[x])?;
+            g.set_outputs(vec![y])?;
+            let exe = b.compile(&g)?;
+            for call in 0..400 {
+                let shards: Vec<HostTensor> = (0..replicas)
+                    .map(|r| {
+                        let mut k = 0.0;
+                        common::floats(&[len], dtype, || {
+                            k += 1.0;
+                            (call * 7 + r * 3) as f64 + k
+                        })
+                    })
+                    .collect();
+                let input = b.to_device_shards(&shards)?;
+                let out = b.execute(&exe, &[&input])?;
+                let got = b.to_host_shards(&out[0])?;
+                let cols: Vec<Vec<f64>> = shards.iter().map(|s| s.to_f64_vec()).collect();
+                let want: Vec<f64> = (0..len)
+                    .map(|i| {
+                        let v = cols.iter().map(|c| c[i]);
+                        match kind {
+                            ReduceKind::Sum => v.sum(),
+                            ReduceKind::Max => v.fold(f64::MIN, f64::max),
+                            ReduceKind::Min => v.fold(f64::MAX, f64::min),
+                        }
+                    })
+                    .collect();
+                for (r, h) in got.iter().enumerate() {
+                    assert_eq!(h.to_f64_vec(), want, "{dtype} call {call} replica {r}");
+                }
+            }
+            Ok(())
+        })
+    };
+    let a = worker(DType::F32, ReduceKind::Sum, 2, 64);
+    let b = worker(DType::F64, ReduceKind::Max, 2, 1000);
+    a.join().expect("f32 worker")?;
+    b.join().expect("f64 worker")?;
+    Ok(())
+}
+
 /// `Op::AllReduce` against the combination computed on the host: on N replicas each replica
 /// gets the sum (max, min) of all replicas' values; on one replica (eager, single device) it
 /// is the identity. The values are small integers, so every combination is exact.

@@ -23,6 +23,24 @@ unsafe impl Send for LoadedExecutable {}
 // SAFETY: see `Send`; `&LoadedExecutable` only allows thread-safe PJRT calls.
 unsafe impl Sync for LoadedExecutable {}
 
+/// A launch id for one execution, unique in the process (wrapping, never 0).
+///
+/// XLA's CPU client names each execution's collectives by `RunId(launch_id)`: participants of
+/// an all-reduce meet in a process-wide rendezvous keyed by it. With the default 0 for every
+/// call, two replicated executions running at once (two threads, even two clients) met in
+/// one rendezvous and combined each other's buffers (a crash when their dtypes or sizes
+/// differ).
+fn next_launch_id() -> std::os::raw::c_int {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(1);
+    loop {
+        let id = NEXT.fetch_add(1, Ordering::Relaxed) & 0x7fff_ffff;
+        if id != 0 {
+            return id as std::os::raw::c_int;
+        }
+    }
+}
+
 /// A `PJRT_Executable` obtained from a loaded executable, destroyed on drop.
 struct ExecutableRef<'a> {
     api: &'a ApiInner,
@@ -155,6 +173,7 @@ impl LoadedExecutable {
 
         let api = self.client.api();
         let mut options = sys::PJRT_ExecuteOptions::new();
+        options.launch_id = next_launch_id();
         let mut exec = sys::PJRT_LoadedExecutable_Execute_Args::new();
         exec.executable = self.raw.as_ptr();
         exec.options = &mut options;
