@@ -273,6 +273,21 @@ fn inference_shards_the_batch_and_joins_the_results() -> kiln::Result<()> {
     Ok(())
 }
 
+/// What an all-reduce of `kind` over `shards` gives every replica, elementwise (in f64).
+fn combined(kind: ReduceKind, shards: &[HostTensor]) -> Vec<f64> {
+    let cols: Vec<Vec<f64>> = shards.iter().map(|s| s.to_f64_vec()).collect();
+    (0..cols[0].len())
+        .map(|i| {
+            let v = cols.iter().map(|c| c[i]);
+            match kind {
+                ReduceKind::Sum => v.sum(),
+                ReduceKind::Max => v.fold(f64::MIN, f64::max),
+                ReduceKind::Min => v.fold(f64::MAX, f64::min),
+            }
+        })
+        .collect()
+}
+
 /// Two threads run different replicated programs at once, each on its own client (an f32
 /// sum and an f64 max, both over 2 replicas): every call gets its own replicas' combination.
 /// XLA's CPU client names an execution's collectives by its launch id; when every call used
@@ -302,17 +317,7 @@ fn concurrent_replicated_calls_keep_their_collectives_apart() -> kiln::Result<()
                 let input = b.to_device_shards(&shards)?;
                 let out = b.execute(&exe, &[&input])?;
                 let got = b.to_host_shards(&out[0])?;
-                let cols: Vec<Vec<f64>> = shards.iter().map(|s| s.to_f64_vec()).collect();
-                let want: Vec<f64> = (0..len)
-                    .map(|i| {
-                        let v = cols.iter().map(|c| c[i]);
-                        match kind {
-                            ReduceKind::Sum => v.sum(),
-                            ReduceKind::Max => v.fold(f64::MIN, f64::max),
-                            ReduceKind::Min => v.fold(f64::MAX, f64::min),
-                        }
-                    })
-                    .collect();
+                let want = combined(kind, &shards);
                 for (r, h) in got.iter().enumerate() {
                     assert_eq!(h.to_f64_vec(), want, "{dtype} call {call} replica {r}");
                 }
@@ -369,18 +374,7 @@ fn all_reduce_combines_every_replica_and_is_the_identity_on_one() -> kiln::Resul
                 let input = b.to_device_shards(&shards[..replicas])?;
                 let out = b.execute(&exe, &[&input])?;
                 let got = b.to_host_shards(&out[0])?;
-                let cols: Vec<Vec<f64>> =
-                    shards[..replicas].iter().map(|s| s.to_f64_vec()).collect();
-                let want: Vec<f64> = (0..15)
-                    .map(|i| {
-                        let v = cols.iter().map(|c| c[i]);
-                        match kind {
-                            ReduceKind::Sum => v.sum(),
-                            ReduceKind::Max => v.fold(f64::MIN, f64::max),
-                            ReduceKind::Min => v.fold(f64::MAX, f64::min),
-                        }
-                    })
-                    .collect();
+                let want = combined(kind, &shards[..replicas]);
                 for (r, h) in got.iter().enumerate() {
                     assert_eq!(
                         h.to_f64_vec(),
