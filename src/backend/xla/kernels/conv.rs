@@ -48,13 +48,7 @@ impl FfiKernel for ConvKernel {
     const TARGET: &'static str = CONV_TARGET;
 
     fn run(call: &Call<'_>) -> Result<()> {
-        if call.num_args() != 2 || call.num_rets() != 1 {
-            return Err(Error::Invalid(format!(
-                "expected 2 operands and 1 result, got {} and {}",
-                call.num_args(),
-                call.num_rets()
-            )));
-        }
+        call.expect_arity(2, 1)?;
         let c = conv_attrs_of(call)?;
         let form = match call.attr_int("form")? {
             0 => ConvForm::Plain,

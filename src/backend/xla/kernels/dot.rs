@@ -14,13 +14,7 @@ impl FfiKernel for DotKernel {
     const TARGET: &'static str = DOT_TARGET;
 
     fn run(call: &Call<'_>) -> Result<()> {
-        if call.num_args() != 2 || call.num_rets() != 1 {
-            return Err(Error::Invalid(format!(
-                "expected 2 operands and 1 result, got {} and {}",
-                call.num_args(),
-                call.num_rets()
-            )));
-        }
+        call.expect_arity(2, 1)?;
         let dims = call.attr_ints("dims")?;
         let d = dot_dims_of(dims)?;
         let (ab, bb, ob) = (call.arg(0)?, call.arg(1)?, call.ret(0)?);

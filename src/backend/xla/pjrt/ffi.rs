@@ -265,6 +265,18 @@ impl Call<'_> {
         self.frame.rets.size.max(0) as usize
     }
 
+    /// `Err` unless the call has exactly `args` operands and `rets` results.
+    pub fn expect_arity(&self, args: usize, rets: usize) -> Result<()> {
+        if self.num_args() != args || self.num_rets() != rets {
+            return Err(Error::Invalid(format!(
+                "expected {args} operands and {rets} result(s), got {} and {}",
+                self.num_args(),
+                self.num_rets()
+            )));
+        }
+        Ok(())
+    }
+
     /// Operand `i`.
     pub fn arg(&self, i: usize) -> Result<BufferRef<'_>> {
         let a = &self.frame.args;
