@@ -76,23 +76,7 @@ pub fn cast_graph(graph: &Graph, from: DType, to: DType) -> Result<Graph> {
         })?;
         map.insert(id, new);
     }
-    let outputs = graph
-        .outputs()
-        .iter()
-        .map(|o| {
-            let (want, n) = (&graph.node(*o).ty, map[o]);
-            if g.node(n).ty.dtype != want.dtype {
-                g.add(Op::Convert(want.dtype), &[n])
-            } else {
-                Ok(n)
-            }
-        })
-        .collect::<Result<Vec<_>>>()?;
-    g.set_outputs(outputs)?;
-    for &(i, o) in graph.aliases() {
-        g.add_alias(i, o)?;
-    }
-    Ok(g)
+    finish(graph, g, |o| map[&o])
 }
 
 /// How [`autocast_graph`] types an op.
@@ -218,11 +202,18 @@ pub fn autocast_graph(graph: &Graph, wide: DType, narrow: DType) -> Result<Graph
         })?;
         map.insert(id, (new, weak));
     }
+    finish(graph, g, |o| map[&o].0)
+}
+
+/// Completes a rewritten copy `g` of `graph`: each output (`node_of` maps an original node to
+/// its copy) converted back to the dtype `graph` declares for it, and `graph`'s aliases, so the
+/// copy keeps the original's signature.
+fn finish(graph: &Graph, mut g: Graph, node_of: impl Fn(NodeId) -> NodeId) -> Result<Graph> {
     let outputs = graph
         .outputs()
         .iter()
-        .map(|o| {
-            let (want, (n, _)) = (&graph.node(*o).ty, map[o]);
+        .map(|&o| {
+            let (want, n) = (&graph.node(o).ty, node_of(o));
             if g.node(n).ty.dtype != want.dtype {
                 g.add(Op::Convert(want.dtype), &[n])
             } else {
