@@ -222,29 +222,16 @@ pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: ConvForm) -> Resul
     let stride = i64s(&c.strides);
     let rdil = i64s(&c.rhs_dilation);
     let g = c.feature_groups as i64;
-    let no_lhs_dil = c.lhs_dilation.iter().all(|&d| d == 1);
-    if no_lhs_dil && form == ConvForm::Plain {
-        // Symmetric padding of `low` computes a prefix-extended result whenever high <= low.
-        if c.padding.iter().all(|&(l, h)| l >= 0 && h <= l) {
-            let pad: Vec<i64> = c.padding.iter().map(|p| p.0).collect();
-            let y = x.f_convolution(
-                k,
-                None::<Tensor>,
-                &stride,
-                &pad,
-                &rdil,
-                false,
-                vec![0; n],
-                g,
-            )?;
-            return narrow_to(y, &want);
-        }
-        let xp = pad_dilate(x, c)?;
-        let y = xp.f_convolution(
+    // A plain convolution without input dilation: libtorch's own padding where it applies.
+    let plain = form == ConvForm::Plain && c.lhs_dilation.iter().all(|&d| d == 1);
+    // Symmetric padding of `low` computes a prefix-extended result whenever high <= low.
+    if plain && c.padding.iter().all(|&(l, h)| l >= 0 && h <= l) {
+        let pad: Vec<i64> = c.padding.iter().map(|p| p.0).collect();
+        let y = x.f_convolution(
             k,
             None::<Tensor>,
             &stride,
-            vec![0; n],
+            &pad,
             &rdil,
             false,
             vec![0; n],
@@ -253,7 +240,7 @@ pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: ConvForm) -> Resul
         return narrow_to(y, &want);
     }
     // Input-dilated (or given as a forward weight): a transposed convolution.
-    if let Some((tpad, opad)) = transposed_params(c, &ks) {
+    if let Some((tpad, opad)) = transposed_params(c, &ks).filter(|_| !plain) {
         let w = match form {
             ConvForm::Plain | ConvForm::WeightGradient | ConvForm::WeightGradientTransposed => {
                 transposed_weight(k, g)?
@@ -264,6 +251,7 @@ pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: ConvForm) -> Resul
         let y = x.f_convolution(&w, None::<Tensor>, &ld, &tpad, &rdil, true, &opad, g)?;
         return narrow_to(y, &want);
     }
+    // Otherwise: padded (and input-dilated) explicitly, then a plain convolution.
     let xp = pad_dilate(x, c)?;
     let y = xp.f_convolution(
         k,
