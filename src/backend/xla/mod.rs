@@ -274,6 +274,17 @@ struct Inner {
 }
 
 impl XlaBackend {
+    /// Copies `t` to addressable device `device` of this backend's client.
+    pub(crate) fn upload_to(&self, t: &HostTensor, device: usize) -> Result<XlaBuffer> {
+        let ty = t.ty().clone();
+        let dims: Vec<i64> = ty.shape.to_i64();
+        let buffer =
+            self.inner
+                .client
+                .buffer_from_host(t.bytes(), element_type(ty.dtype), &dims, device)?;
+        Ok(XlaBuffer { buffer, ty })
+    }
+
     /// The backend on the default plugin (see [`default_plugin_path`]).
     pub fn new() -> Result<Self> {
         Self::from_plugin(default_plugin_path()?)
@@ -973,13 +984,7 @@ impl Backend for XlaBackend {
     }
 
     fn to_device(&self, t: &HostTensor) -> Result<XlaBuffer> {
-        let ty = t.ty().clone();
-        let dims: Vec<i64> = ty.shape.to_i64();
-        let buffer =
-            self.inner
-                .client
-                .buffer_from_host(t.bytes(), element_type(ty.dtype), &dims, 0)?;
-        Ok(XlaBuffer { buffer, ty })
+        self.upload_to(t, 0)
     }
 
     fn to_host(&self, b: &XlaBuffer) -> Result<HostTensor> {

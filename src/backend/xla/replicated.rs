@@ -8,7 +8,7 @@
 //! dimension, one shard per device ([`Backend::to_device_shards`]). A
 //! [`crate::train::TrainStep`] on a `Replicated` backend is a data-parallel step: see its docs.
 
-use super::{element_type, lower, pjrt, XlaBackend, XlaBuffer, XlaExecutable};
+use super::{lower, pjrt, XlaBackend, XlaBuffer, XlaExecutable};
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::ir::{Graph, TensorType};
@@ -97,18 +97,6 @@ impl Replicated {
         self.base.rewrite(&mut g)?;
         lower::lower_replicated(&g, &ffi, self.replicas)
     }
-
-    fn upload_to(&self, t: &HostTensor, device: usize) -> Result<XlaBuffer> {
-        let ty = t.ty().clone();
-        let dims: Vec<i64> = ty.shape.to_i64();
-        let buffer = self.base.client().buffer_from_host(
-            t.bytes(),
-            element_type(ty.dtype),
-            &dims,
-            device,
-        )?;
-        Ok(XlaBuffer { buffer, ty })
-    }
 }
 
 impl Backend for Replicated {
@@ -191,7 +179,7 @@ impl Backend for Replicated {
     /// Copies `t` to every replica's device.
     fn to_device(&self, t: &HostTensor) -> Result<ReplicatedBuffer> {
         let parts = (0..self.replicas)
-            .map(|r| self.upload_to(t, r))
+            .map(|r| self.base.upload_to(t, r))
             .collect::<Result<_>>()?;
         Ok(ReplicatedBuffer { parts })
     }
@@ -271,7 +259,7 @@ impl Backend for Replicated {
         let parts = shards
             .iter()
             .enumerate()
-            .map(|(r, s)| self.upload_to(s, r))
+            .map(|(r, s)| self.base.upload_to(s, r))
             .collect::<Result<_>>()?;
         Ok(ReplicatedBuffer { parts })
     }
