@@ -83,15 +83,7 @@ pub fn conv_call_mlir(
     k: &TensorType,
     out: &TensorType,
 ) -> String {
-    format!(
-        "{res} = \"stablehlo.custom_call\"({}, {}) {{{}}} : ({}, {}) -> {}",
-        args[0],
-        args[1],
-        conv_call_attrs(c, x, k, out),
-        tensor_type(x),
-        tensor_type(k),
-        tensor_type(out)
-    )
+    call_line(res, args, &conv_call_attrs(c, x, k, out), [x, k], out)
 }
 
 /// [`conv_call_mlir`] for a dot.
@@ -103,13 +95,23 @@ pub fn dot_call_mlir(
     b: &TensorType,
     out: &TensorType,
 ) -> String {
+    call_line(res, args, &dot_call_attrs(d, a, b, out), [a, b], out)
+}
+
+/// `%res = "stablehlo.custom_call"(args) {attrs} : (operand types) -> out`.
+fn call_line(
+    res: &str,
+    args: [&str; 2],
+    attrs: &str,
+    operands: [&TensorType; 2],
+    out: &TensorType,
+) -> String {
     format!(
-        "{res} = \"stablehlo.custom_call\"({}, {}) {{{}}} : ({}, {}) -> {}",
+        "{res} = \"stablehlo.custom_call\"({}, {}) {{{attrs}}} : ({}, {}) -> {}",
         args[0],
         args[1],
-        dot_call_attrs(d, a, b, out),
-        tensor_type(a),
-        tensor_type(b),
+        tensor_type(operands[0]),
+        tensor_type(operands[1]),
         tensor_type(out)
     )
 }
