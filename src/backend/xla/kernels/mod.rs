@@ -47,7 +47,7 @@ mod threads;
 pub use conv::{
     conv, conv_form, conv_out_dims, effective_dims, effective_kernel_dims, weight_gradient_direct,
 };
-pub use dot::DotPlan;
+pub use dot::{DotPlan, TinyDot, TINY_DOT_MAX_FLOPS};
 pub use mlir::{
     conv_call_attrs, conv_call_attrs_form, conv_call_mlir, dot_call_attrs, dot_call_mlir,
 };
@@ -95,7 +95,7 @@ impl FfiMode {
     pub fn key(&self) -> &'static str {
         match self {
             FfiMode::Off => "off",
-            FfiMode::Auto => "auto3",
+            FfiMode::Auto => "auto4",
             FfiMode::All => "all1",
         }
     }
@@ -173,7 +173,18 @@ impl FfiMode {
     /// libtorch kernels run slower inside an executable than alone, see `threads.rs`), and
     /// the products of the im2col rewrite, also many-row, were better left to XLA
     /// (squeezenet1_1 inference 4.4 ms vs 5.1 ms).
+    ///
+    /// Tiny products ([`DotPlan::tiny`], at most [`TINY_DOT_MAX_FLOPS`]) go to the kernel too,
+    /// which runs them as its own loop: torchbench's LinearModel (`[4, 10]·[10, 10]ᵀ` twice)
+    /// replays in 10–12 µs instead of 31–46 µs. Besides the dot's own cost, XLA's CPU client
+    /// runs a program of 1,000 flops or more on its thread pool while the caller waits, and its
+    /// cost analysis counts a custom call as no flops: such a model's program becomes cheap
+    /// enough to run on the calling thread.
     pub fn auto_dot(d: &DotDims, a: &TensorType, b: &TensorType) -> bool {
+        let (ad, bd) = (a.shape.to_i64(), b.shape.to_i64());
+        if DotPlan::new(d, &ad, &bd).is_ok_and(|p| p.tiny().is_some()) {
+            return true;
+        }
         let rb = b.shape.rank();
         let lhs_free: usize = (0..a.shape.rank())
             .filter(|i| !d.lhs_batch.contains(i) && !d.lhs_contract.contains(i))

@@ -257,7 +257,7 @@ fn weight_gradient_form_equals_plain_form() {
 }
 
 #[test]
-fn auto_rule_keeps_tiny_ungrouped_ops_in_xla() {
+fn auto_rule_keeps_small_ungrouped_ops_in_xla() {
     let t = |d: &[usize]| TensorType::new(DType::F32, d);
     let mut c = ConvAttrs::plain(2);
     c.padding = vec![(1, 1), (1, 1)];
@@ -312,4 +312,89 @@ fn auto_rule_keeps_tiny_ungrouped_ops_in_xla() {
     };
     assert!(!FfiMode::Auto.dot(&pool, &t(&[4, 512, 2, 7]), &t(&[7, 2])));
     assert!(FfiMode::All.dot(&pool, &t(&[4, 512, 2, 7]), &t(&[7, 2])));
+    // Tiny products go to the kernel's own loop (torchbench's LinearModel), in any layout.
+    assert!(FfiMode::Auto.dot(&lin, &t(&[4, 10]), &t(&[10, 10])));
+    assert!(FfiMode::Auto.dot(&nn, &t(&[4, 10]), &t(&[10, 10])));
+    assert!(!FfiMode::Off.dot(&lin, &t(&[4, 10]), &t(&[10, 10])));
+}
+
+/// The dot kernel's own loop for tiny products agrees with its libtorch route (and a float64
+/// reference) on every grouping of dims it takes, and declines what it cannot view without a
+/// copy or what is too large.
+#[test]
+fn tiny_dot_loop_matches_libtorch() {
+    let dd = |lb: &[usize], rb: &[usize], lc: &[usize], rc: &[usize]| DotDims {
+        lhs_batch: lb.to_vec(),
+        rhs_batch: rb.to_vec(),
+        lhs_contract: lc.to_vec(),
+        rhs_contract: rc.to_vec(),
+    };
+    // (a dims, b dims, dims, takes the loop)
+    let cases = [
+        (
+            vec![4i64, 10],
+            vec![10i64, 10],
+            dd(&[], &[], &[1], &[1]),
+            true,
+        ), // Linear
+        (vec![2, 10], vec![10, 3], dd(&[], &[], &[1], &[0]), true),
+        (vec![10, 2], vec![10, 3], dd(&[], &[], &[0], &[0]), true), // weight gradient
+        (
+            vec![3, 4, 5],
+            vec![3, 5, 2],
+            dd(&[0], &[0], &[2], &[1]),
+            true,
+        ),
+        (
+            vec![4, 3, 5],
+            vec![5, 3, 2],
+            dd(&[1], &[1], &[2], &[0]),
+            true,
+        ),
+        (
+            vec![2, 3, 4],
+            vec![3, 4, 5],
+            dd(&[], &[], &[1, 2], &[0, 1]),
+            true,
+        ),
+        (
+            vec![2, 3, 4],
+            vec![4, 3, 5],
+            dd(&[], &[], &[1, 2], &[1, 0]),
+            false,
+        ), // strided mix
+        (vec![7], vec![7], dd(&[], &[], &[0], &[0]), true),
+        (vec![3], vec![4], dd(&[], &[], &[], &[]), true), // outer product
+        (vec![2, 0], vec![0, 3], dd(&[], &[], &[1], &[0]), true), // empty contraction
+        (vec![64, 64], vec![64, 64], dd(&[], &[], &[1], &[0]), false), // too large
+    ];
+    for (i, (ad, bd, d, takes)) in cases.into_iter().enumerate() {
+        let plan = DotPlan::new(&d, &ad, &bd).unwrap();
+        let tiny = plan.tiny();
+        assert_eq!(tiny.is_some(), takes, "case {i}");
+        let Some(tiny) = tiny else { continue };
+        let (a, b) = (seeded(&ad, 1), seeded(&bd, 2));
+        let want = Tensor::zeros(&plan.out_dims, (tch::Kind::Double, tch::Device::Cpu));
+        plan.run_into(&a, &b, &want).unwrap();
+        let flat = |t: &Tensor| Vec::<f64>::try_from(t.reshape([-1])).unwrap();
+        let mut got = vec![0f64; flat(&want).len()];
+        tiny.run(&flat(&a), &flat(&b), &mut got).unwrap();
+        let got_t = Tensor::from_slice(&got).reshape(&plan.out_dims);
+        assert!(max_diff(&got_t, &want) < 1e-12, "case {i} f64");
+        let (a32, b32) = (flat(&a), flat(&b));
+        let (a32, b32): (Vec<f32>, Vec<f32>) = (
+            a32.iter().map(|&v| v as f32).collect(),
+            b32.iter().map(|&v| v as f32).collect(),
+        );
+        let mut got32 = vec![0f32; got.len()];
+        tiny.run(&a32, &b32, &mut got32).unwrap();
+        // float32 rounding of products of values in [-1, 1] over at most 20 terms.
+        for (x, y) in got32.iter().zip(&got) {
+            assert!((f64::from(*x) - y).abs() < 1e-5, "case {i} f32: {x} vs {y}");
+        }
+        // A buffer of the wrong size is an error, not a read out of bounds.
+        if !a32.is_empty() && !got32.is_empty() {
+            assert!(tiny.run(&a32[1..], &b32, &mut got32).is_err(), "case {i}");
+        }
+    }
 }

@@ -22,6 +22,7 @@
 
 #![allow(non_upper_case_globals)]
 
+use std::cell::Cell;
 use std::ffi::{c_void, CString};
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -30,6 +31,7 @@ use std::ptr;
 use super::api::Api;
 use super::ffi_sys::*;
 use super::sys::PJRT_Extension_Base;
+use crate::backend::host::Element;
 use crate::error::{Error, Result};
 use crate::ir::DType;
 
@@ -171,6 +173,7 @@ unsafe extern "C" fn handler<K: FfiKernel>(frame: *mut XLA_FFI_CallFrame) -> *mu
     }
     let call = Call {
         frame: f,
+        taken: Cell::new(0),
         _p: PhantomData,
     };
     match catch_unwind(AssertUnwindSafe(|| K::run(&call))) {
@@ -229,6 +232,8 @@ fn error(f: &XLA_FFI_CallFrame, message: String) -> *mut XLA_FFI_Error {
 /// One call of a kernel: its operand and result buffers and its attributes.
 pub(crate) struct Call<'a> {
     frame: &'a XLA_FFI_CallFrame,
+    /// Bit `i`: result `i` has been handed out as a mutable slice ([`Call::ret_slice_mut`]).
+    taken: Cell<u64>,
     _p: PhantomData<&'a ()>,
 }
 
@@ -311,6 +316,26 @@ impl Call<'_> {
         }
         // SAFETY: a result of type BUFFER is an `XLA_FFI_Buffer` valid for this call.
         unsafe { buffer_ref(p.cast(), "result", i) }
+    }
+
+    /// Result `i`'s elements, to write. Each result can be taken this way once per call (a
+    /// second request is an error), so two slices never alias.
+    #[allow(clippy::mut_from_ref)]
+    pub fn ret_slice_mut<T: Element>(&self, i: usize) -> Result<&mut [T]> {
+        let b = self.ret(i)?;
+        let bit = 1u64
+            .checked_shl(i as u32)
+            .ok_or_else(|| Error::Invalid(format!("result {i}: too many results to borrow")))?;
+        if self.taken.get() & bit != 0 {
+            return Err(Error::Invalid(format!("result {i} is already borrowed")));
+        }
+        let p = b.typed_ptr::<T>()?;
+        self.taken.set(self.taken.get() | bit);
+        // SAFETY: as in `BufferRef::as_slice`; a result buffer is this call's own output,
+        // aliased by no operand (kiln's custom calls declare no operand aliasing), and the
+        // `taken` bit makes this the only slice of it handed out during the call, which the
+        // borrow of `self` does not outlive.
+        Ok(unsafe { std::slice::from_raw_parts_mut(p, b.numel()) })
     }
 
     /// The attribute `name`, if the call has it.
@@ -434,6 +459,39 @@ unsafe fn buffer_ref<'a>(b: *const XLA_FFI_Buffer, what: &str, i: usize) -> Resu
 }
 
 impl BufferRef<'_> {
+    /// The number of elements.
+    pub fn numel(&self) -> usize {
+        self.dims.iter().map(|&d| d as usize).product()
+    }
+
+    /// The data pointer, checked against `T` and against null (an empty buffer gives a
+    /// dangling, aligned pointer).
+    fn typed_ptr<T: Element>(&self) -> Result<*mut T> {
+        if T::DTYPE != self.dtype {
+            return Err(Error::Invalid(format!(
+                "buffer of {:?} read as {:?}",
+                self.dtype,
+                T::DTYPE
+            )));
+        }
+        if self.numel() == 0 {
+            return Ok(std::ptr::NonNull::<T>::dangling().as_ptr());
+        }
+        if self.data.is_null() || !self.data.cast::<T>().is_aligned() {
+            return Err(Error::Invalid("buffer with null or misaligned data".into()));
+        }
+        Ok(self.data.cast::<T>())
+    }
+
+    /// The buffer's elements, row-major (operand or result).
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        let p = self.typed_ptr::<T>()?;
+        // SAFETY: XLA guarantees a dense row-major array of `dims` elements of this (checked)
+        // type, valid and not written by anyone else for the duration of the call, which the
+        // borrow of `self` does not outlive.
+        Ok(unsafe { std::slice::from_raw_parts(p, self.numel()) })
+    }
+
     /// A libtorch tensor viewing this buffer's memory (no copy), contiguous with the buffer's
     /// dims.
     ///
