@@ -163,10 +163,18 @@ impl HostTensor {
         let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
         let ty = TensorType::new(dtype, shape);
         let want = crate::backend::eager::kind_of(dtype);
-        let t = t
-            .f_to_device(tch::Device::Cpu)?
-            .f_to_kind(want)?
-            .f_contiguous()?;
+        // Most tensors are already CPU, of the wanted kind and contiguous: skip the three
+        // dispatched no-op conversions (about a µs of a tiny model's call).
+        let converted;
+        let t = if t.device() == tch::Device::Cpu && t.kind() == want && t.is_contiguous() {
+            t
+        } else {
+            converted = t
+                .f_to_device(tch::Device::Cpu)?
+                .f_to_kind(want)?
+                .f_contiguous()?;
+            &converted
+        };
         let numel = ty.shape.numel();
         match dtype {
             DType::U32 => {
@@ -204,6 +212,35 @@ impl std::fmt::Debug for HostTensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Contiguous tensors of the wanted kind are read as they are; transposed, other-kind and
+    /// `U32` (stored as `Int64`) ones are converted first: both give the values in row-major
+    /// order.
+    #[test]
+    fn from_tch_reads_contiguous_and_converted_tensors() {
+        let t = tch::Tensor::from_slice(&[1.5f32, -2.0, 3.25, 4.0, 5.0, -6.5]).reshape([2, 3]);
+        let h = HostTensor::from_tch(&t, DType::F32).unwrap();
+        assert_eq!(
+            h.to_vec::<f32>().unwrap(),
+            vec![1.5, -2.0, 3.25, 4.0, 5.0, -6.5]
+        );
+        let tt = t.tr();
+        assert!(!tt.is_contiguous());
+        let h = HostTensor::from_tch(&tt, DType::F32).unwrap();
+        assert_eq!(h.ty().shape.dims(), &[3, 2]);
+        assert_eq!(
+            h.to_vec::<f32>().unwrap(),
+            vec![1.5, 4.0, -2.0, 5.0, 3.25, -6.5]
+        );
+        let h = HostTensor::from_tch(&t, DType::F64).unwrap();
+        assert_eq!(
+            h.to_vec::<f64>().unwrap(),
+            vec![1.5, -2.0, 3.25, 4.0, 5.0, -6.5]
+        );
+        let u = tch::Tensor::from_slice(&[7i64, 4_000_000_000]);
+        let h = HostTensor::from_tch(&u, DType::U32).unwrap();
+        assert_eq!(h.to_vec::<u32>().unwrap(), vec![7, 4_000_000_000]);
+    }
 
     #[test]
     fn from_bytes_rejects_malformed_data() {
