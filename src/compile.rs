@@ -161,6 +161,7 @@ struct FnPlan<B: Backend> {
     uses_rng: bool,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum ResultSource {
     /// The caller's argument, returned unchanged (no transfer).
     Data(usize),
@@ -601,18 +602,25 @@ impl<B: Backend> FnState<B> {
     }
 
     fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        let (p, values) = self.call(inputs, false)?;
+        let (p, mut values) = self.call(inputs, false)?;
         let mut results = Vec::with_capacity(p.results.len());
-        for r in &p.results {
+        for (i, r) in p.results.iter().enumerate() {
             results.push(match *r {
                 ResultSource::Data(d) => inputs[d].clone(),
                 // Several results may be one downloaded value (a function returning the same
-                // value twice): each gets its own tensor.
+                // value twice): each gets its own tensor, the last one the downloaded one.
                 ResultSource::Host(k) => {
+                    let used_again = p.results[i + 1..].contains(&ResultSource::Host(k));
                     let h = values.hosts[k]
                         .as_ref()
                         .ok_or_else(|| Error::Internal(format!("result {k} not computed")))?;
-                    Tensor::from_host(h)?
+                    if used_again {
+                        Tensor::from_host(&h.to_host()?)?
+                    } else {
+                        values.hosts[k]
+                            .take()
+                            .ok_or_else(|| Error::Internal(format!("result {k} not computed")))?
+                    }
                 }
             });
         }

@@ -73,6 +73,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Copies a buffer to the host (waits for it to be computed).
     fn to_host(&self, b: &Self::Buffer) -> Result<HostTensor>;
 
+    /// Copies a buffer into a new eager tensor (waits for it). The default goes through
+    /// [`Backend::to_host`]; a backend may write the tensor's memory directly.
+    fn to_tensor(&self, b: &Self::Buffer) -> Result<crate::Tensor> {
+        crate::Tensor::from_host(&self.to_host(b)?)
+    }
+
     /// The type of a buffer.
     fn buffer_type(&self, b: &Self::Buffer) -> Result<TensorType>;
 

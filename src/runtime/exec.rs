@@ -20,10 +20,11 @@
 //! [`PlanBuilder`] numbers the temporaries that connect steps.
 
 use super::Runtime;
-use crate::backend::{Backend, HostTensor};
+use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ir::{Fingerprint, Graph, InputKind, NodeId, Op, TensorType};
 use crate::passes::{dedup_outputs, simplify, OutputSource};
+use crate::Tensor;
 use std::collections::HashSet;
 use std::sync::Arc;
 
@@ -71,7 +72,7 @@ pub(crate) struct Values<B: Backend> {
     /// The plan's temporaries ([`Dest::Temp`]).
     pub(crate) temps: Vec<Option<B::Buffer>>,
     /// Values downloaded for the caller ([`Dest::Host`]).
-    pub(crate) hosts: Vec<Option<HostTensor>>,
+    pub(crate) hosts: Vec<Option<Tensor>>,
 }
 
 /// Steps run in order, connected by temporaries. Holds no tensors (variables are ids), so a

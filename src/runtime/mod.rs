@@ -126,6 +126,14 @@ impl<B: Backend> Runtime<B> {
         Ok(h)
     }
 
+    /// Copies a buffer into a new eager tensor, waiting for it (one sync point); see
+    /// [`Backend::to_tensor`].
+    pub fn download_tensor(&self, b: &B::Buffer) -> Result<Tensor> {
+        let t = self.backend.to_tensor(b)?;
+        self.metrics.d2h(t.ty().size_in_bytes());
+        Ok(t)
+    }
+
     /// Waits for `b` to be computed without copying it (one sync point).
     pub fn sync(&self, b: &B::Buffer) -> Result<()> {
         self.backend.sync(b)?;

@@ -80,7 +80,7 @@ impl<'a, B: Backend> DeviceOutputs<'a, B> {
                 let b = self.buffers.get(*k).ok_or_else(|| {
                     Error::Internal(format!("device result {i} refers to buffer {k}"))
                 })?;
-                Tensor::from_host(&self.rt.download(b)?)
+                self.rt.download_tensor(b)
             }
             None => Err(Error::Invalid(format!(
                 "result {i} of a function with {} results",

@@ -56,15 +56,15 @@ impl<B: Backend> Runtime<B> {
 
     /// A result for the caller: downloaded whole on one replica, else every replica's value
     /// joined along the first dimension (the inverse of [`Runtime::upload_batch`]).
-    pub(crate) fn download_result(&self, b: &B::Buffer) -> Result<HostTensor> {
+    pub(crate) fn download_result(&self, b: &B::Buffer) -> Result<Tensor> {
         if self.backend().replicas() == 1 {
-            return self.download(b);
+            return self.download_tensor(b);
         }
         let shards = self.backend().to_host_shards(b)?;
         for s in &shards {
             self.metrics.d2h(s.bytes().len());
         }
-        concat_rows(&shards)
+        Tensor::from_host(&concat_rows(&shards)?)
     }
 
     /// A new buffer with `b`'s value on every replica (through the host: the [`Backend`]

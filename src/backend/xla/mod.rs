@@ -993,6 +993,18 @@ impl Backend for XlaBackend {
         HostTensor::from_bytes(b.ty.clone(), data)
     }
 
+    /// Straight into the tensor's memory (see [`pjrt::Buffer::to_tch`]); `u32` values, which
+    /// kiln's eager tensors hold as `i64`, go through the host tensor.
+    fn to_tensor(&self, b: &XlaBuffer) -> Result<crate::Tensor> {
+        if b.ty.dtype == DType::U32 {
+            return crate::Tensor::from_host(&self.to_host(b)?);
+        }
+        let t = b
+            .buffer
+            .to_tch(crate::backend::eager::kind_of(b.ty.dtype))?;
+        Ok(crate::Tensor::from_tch_typed(t, b.ty.dtype))
+    }
+
     fn buffer_type(&self, b: &XlaBuffer) -> Result<TensorType> {
         Ok(b.ty.clone())
     }

@@ -317,6 +317,40 @@ impl Buffer {
         Ok(v)
     }
 
+    /// Copies the buffer into a new contiguous CPU libtorch tensor of `kind`, whose element
+    /// size must be the buffer's (waits for the buffer). Unlike [`Buffer::to_host_vec`]
+    /// followed by a tensor built from the bytes, the tensor's memory is written once and never
+    /// zero-filled first: libtorch fills a tensor of 32,768 elements or more with an OpenMP
+    /// parallel loop, whose worker then spins on a core XLA's next execution needs (bert's
+    /// `[4, 64, 256]` output: 22.9 ms a call instead of 16.7 ms under OpenMP's default wait
+    /// policy).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] if `kind`'s element size differs from the buffer's; as
+    /// [`Buffer::to_host`].
+    pub fn to_tch(&self, kind: tch::Kind) -> Result<tch::Tensor> {
+        let dims = self.dims()?;
+        let size = self.host_size()?;
+        let t = tch::Tensor::f_empty(dims.as_slice(), (kind, tch::Device::Cpu))?;
+        if t.numel() * kind.elt_size_in_bytes() != size {
+            return Err(Error::Invalid(format!(
+                "to_tch: a {kind:?} tensor of dims {dims:?} does not hold the buffer's {size} bytes"
+            )));
+        }
+        if size > 0 {
+            let p = t.data_ptr().cast::<u8>();
+            if p.is_null() {
+                return Err(Error::Invalid("to_tch: libtorch gave no storage".into()));
+            }
+            // SAFETY: `t` is a new contiguous CPU tensor (`empty`) owning `size` bytes at `p`;
+            // nothing else refers to its storage while the slice lives (it is dropped before
+            // `t` is returned).
+            let dst = unsafe { std::slice::from_raw_parts_mut(p, size) };
+            self.to_host(dst)?;
+        }
+        Ok(t)
+    }
+
     /// Blocks until the buffer's contents are computed (`PJRT_Buffer_ReadyEvent`).
     ///
     /// # Errors

@@ -408,6 +408,27 @@ fn to_host_checks_the_destination_size() {
     assert_eq!(bytes_f32(&dst), vec![1.0, 2.0, 3.0, 4.0]);
 }
 
+/// `to_tch` writes the buffer into a new tensor: the values of `to_host`, any dims (empty
+/// included), and an error for a kind of another element size.
+#[test]
+fn to_tch_reads_into_a_new_tensor() {
+    let _g = serial();
+    let v: Vec<f32> = (0..40_000).map(|i| (i as f32 * 0.37).sin()).collect();
+    let b = client()
+        .buffer_from_host(&f32_bytes(&v), ElementType::F32, &[200, 200], 0)
+        .unwrap();
+    let t = b.to_tch(tch::Kind::Float).unwrap();
+    assert_eq!(t.size(), vec![200, 200]);
+    assert!(t.is_contiguous());
+    assert_eq!(Vec::<f32>::try_from(t.reshape([-1])).unwrap(), v);
+    let e = client()
+        .buffer_from_host(&[], ElementType::F32, &[3, 0], 0)
+        .unwrap();
+    assert_eq!(e.to_tch(tch::Kind::Float).unwrap().size(), vec![3, 0]);
+    let err = b.to_tch(tch::Kind::Double).unwrap_err();
+    assert!(matches!(err, Error::Invalid(_)), "{err:?}");
+}
+
 #[test]
 fn element_types_round_trip() {
     let _g = serial();
