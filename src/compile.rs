@@ -47,6 +47,19 @@ pub struct Program {
 impl Program {
     /// Prepares a traced function for compilation on `backend`.
     pub fn new<B: Backend>(traced: Traced, backend: &B) -> Result<Program> {
+        Self::with_layouts(traced, backend, &mut |_, _| Ok(false))
+    }
+
+    /// [`Program::new`], with device layouts for the variables: `transposed(var, wanted)`
+    /// says whether `var` lives transposed on the device, given whether the backend would like
+    /// it to ([`Backend::prefers_transposed`]; never for a variable the function updates).
+    /// Inputs of transposed variables get their device type and a transpose for their users;
+    /// their new values are transposed back.
+    pub(crate) fn with_layouts<B: Backend>(
+        traced: Traced,
+        backend: &B,
+        transposed: &mut dyn FnMut(&Tensor, bool) -> Result<bool>,
+    ) -> Result<Program> {
         let Traced {
             mut graph,
             bindings,
@@ -68,6 +81,22 @@ impl Program {
         let kept =
             graph.retain_inputs(|i, inp| inp.kind == InputKind::Data || used.contains(&i))?;
         let bindings: Vec<Binding> = kept.iter().map(|&k| bindings[k].clone()).collect();
+        let id_of = |t: &Tensor| t.variable().map(|v| v.id);
+        for (i, b) in bindings.iter().enumerate() {
+            let Binding::Var(var) = b else { continue };
+            let updates: Vec<usize> = state_updates
+                .iter()
+                .filter(|(v, _)| id_of(v) == id_of(var))
+                .map(|&(_, out)| out)
+                .collect();
+            let wanted = updates.is_empty() && backend.prefers_transposed(&graph, i);
+            if transposed(var, wanted)? {
+                graph.transpose_input(i)?;
+                for out in updates {
+                    graph.transpose_output(out)?;
+                }
+            }
+        }
         // Donate each updated variable's buffer to its new value: in-place on the device.
         for (var, out) in &state_updates {
             if let Some(i) = var_input(&bindings, var) {
@@ -478,7 +507,10 @@ impl<B: Backend> FnState<B> {
             }
             return Ok(plan);
         }
-        let program = Program::new(traced, self.rt.backend())?;
+        let rt = &self.rt;
+        let program = Program::with_layouts(traced, rt.backend(), &mut |var, wanted| {
+            rt.transposed_layout(var, wanted)
+        })?;
         self.rt.metrics().traced(t0.elapsed());
         let exe = self.rt.executable(&program.graph, program.fingerprint)?;
         let plan = Arc::new(self.bind(&program, exe, signature.len())?);

@@ -157,6 +157,25 @@ impl HostTensor {
         Ok(t)
     }
 
+    /// The transpose of a rank-2 tensor (`[d1, d0]`, row-major).
+    pub fn transposed_2d(&self) -> Result<HostTensor> {
+        let [d0, d1] = self.ty.shape.dims()[..] else {
+            return Err(Error::Invalid(format!(
+                "transposed_2d of {}: not rank 2",
+                self.ty
+            )));
+        };
+        let e = self.ty.dtype.size_in_bytes();
+        let mut data = vec![0u8; self.data.len()];
+        for i in 0..d0 {
+            for j in 0..d1 {
+                let (src, dst) = ((i * d1 + j) * e, (j * d0 + i) * e);
+                data[dst..dst + e].copy_from_slice(&self.data[src..src + e]);
+            }
+        }
+        HostTensor::from_bytes(TensorType::new(self.ty.dtype, [d1, d0]), data)
+    }
+
     /// Converts a tch tensor holding values of `dtype` (for `U32`: an `Int64` tensor) to a host
     /// tensor. The tensor is moved to the CPU and made contiguous first.
     pub fn from_tch(t: &tch::Tensor, dtype: DType) -> Result<Self> {
@@ -212,6 +231,20 @@ impl std::fmt::Debug for HostTensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transposed_2d_transposes_rank_2_only() {
+        let h = HostTensor::from_slice(&[2, 3], &[1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let t = h.transposed_2d().unwrap();
+        assert_eq!(t.ty().shape.dims(), &[3, 2]);
+        assert_eq!(
+            t.to_vec::<f64>().unwrap(),
+            vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]
+        );
+        assert_eq!(t.transposed_2d().unwrap(), h);
+        let v = HostTensor::from_slice(&[3], &[1.0f32, 2.0, 3.0]).unwrap();
+        assert!(v.transposed_2d().is_err());
+    }
 
     /// Contiguous tensors of the wanted kind are read as they are; transposed, other-kind and
     /// `U32` (stored as `Int64`) ones are converted first: both give the values in row-major

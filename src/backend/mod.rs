@@ -57,6 +57,17 @@ pub trait Backend: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Should the variable bound to rank-2 input `input` of `graph` live on the device
+    /// transposed (`[d1, d0]`), as this backend's kernels run the graph faster that way? The
+    /// runtime asks once per variable, before its first upload, and keeps the answer: the
+    /// [`crate::nn::ParamStore`] and every value the caller sees keep PyTorch's layout, and
+    /// every graph reading the variable gets a transpose of the device value (which a compiler
+    /// folds into its consumers). The default says no.
+    fn prefers_transposed(&self, graph: &Graph, input: usize) -> bool {
+        let _ = (graph, input);
+        false
+    }
+
     /// Compiles `graph`.
     fn compile(&self, graph: &Graph) -> Result<Self::Executable>;
 

@@ -341,6 +341,56 @@ impl Graph {
         Ok(kept)
     }
 
+    /// Makes rank-2 input `index` arrive transposed: its type becomes `[d1, d0]` and a
+    /// `Transpose([1, 0])` of it takes its place for every user and output. Returns that
+    /// transpose. (A device layout change: XLA folds the transpose into the consuming dots.)
+    pub(crate) fn transpose_input(&mut self, index: usize) -> Result<NodeId> {
+        let node = self
+            .inputs
+            .get(index)
+            .ok_or_else(|| Error::Graph(format!("no input {index}")))?
+            .node;
+        let ty = self.g[node].ty.clone();
+        let [d0, d1] = ty.shape.dims()[..] else {
+            return Err(Error::Graph(format!(
+                "input {index} of type {ty} is not rank 2: cannot transpose it"
+            )));
+        };
+        let transposed = TensorType::new(ty.dtype, [d1, d0]);
+        self.g[node].ty = transposed.clone();
+        self.inputs[index].ty = transposed;
+        let t = self.add_typed(Op::Transpose(vec![1, 0]), ty, &[node]);
+        let uses: Vec<(petgraph::stable_graph::EdgeIndex<u32>, NodeId, usize)> = self
+            .g
+            .edges_directed(node, Direction::Outgoing)
+            .filter(|e| e.target() != t)
+            .map(|e| (e.id(), e.target(), *e.weight()))
+            .collect();
+        for (e, user, pos) in uses {
+            self.g.remove_edge(e);
+            self.g.add_edge(t, user, pos);
+            self.g[user].operands[pos] = t;
+        }
+        for o in &mut self.outputs {
+            if *o == node {
+                *o = t;
+            }
+        }
+        Ok(t)
+    }
+
+    /// Makes rank-2 output `index` leave transposed (a `Transpose([1, 0])` of it becomes the
+    /// output): the counterpart of [`Graph::transpose_input`] for a variable's new value.
+    pub(crate) fn transpose_output(&mut self, index: usize) -> Result<NodeId> {
+        let node = *self
+            .outputs
+            .get(index)
+            .ok_or_else(|| Error::Graph(format!("no output {index}")))?;
+        let t = self.add(Op::Transpose(vec![1, 0]), &[node])?;
+        self.outputs[index] = t;
+        Ok(t)
+    }
+
     /// Checks the invariants: operands exist and match the edges, types re-infer to the stored
     /// types, inputs and outputs exist, the graph is acyclic.
     pub fn verify(&self) -> Result<()> {
@@ -407,6 +457,45 @@ mod tests {
         let y = g.add(Op::Concat { axis: 0 }, &xs).unwrap();
         g.set_outputs(vec![y]).unwrap();
         (g, xs, y)
+    }
+
+    /// A transposed input keeps the graph well typed: users and outputs read a transpose of
+    /// it, of the old type; a transposed output has the new type.
+    #[test]
+    fn transpose_input_and_output_keep_the_graph_well_typed() {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", TensorType::new(DType::F32, [4, 2]));
+        let w = g.add_input(
+            InputKind::Parameter,
+            "w",
+            TensorType::new(DType::F32, [3, 2]),
+        );
+        let dims = crate::ir::DotDims {
+            lhs_batch: vec![],
+            rhs_batch: vec![],
+            lhs_contract: vec![1],
+            rhs_contract: vec![1],
+        };
+        let y = g.add(Op::DotGeneral(dims), &[x, w]).unwrap();
+        let w2 = g.add(Op::Unary(crate::ir::UnaryOp::Neg), &[w]).unwrap();
+        g.set_outputs(vec![y, w, w2]).unwrap();
+        let t = g.transpose_input(1).unwrap();
+        g.verify().unwrap();
+        assert_eq!(g.inputs()[1].ty.shape.dims(), &[2, 3]);
+        assert_eq!(g.node(w).ty.shape.dims(), &[2, 3]);
+        assert_eq!(g.node(t).ty.shape.dims(), &[3, 2]);
+        assert_eq!(g.node(y).operands[1], t);
+        assert_eq!(g.node(w2).operands[0], t);
+        assert_eq!(g.outputs()[1], t);
+        assert_eq!(g.users(w), vec![t]);
+        let o = g.transpose_output(2).unwrap();
+        g.verify().unwrap();
+        assert_eq!(g.node(o).ty.shape.dims(), &[2, 3]);
+        assert!(g.transpose_input(0).is_ok());
+        assert!(g.transpose_input(5).is_err());
+        let mut v = Graph::new();
+        v.add_input(InputKind::Data, "v", TensorType::new(DType::F32, [3]));
+        assert!(v.transpose_input(0).is_err());
     }
 
     #[test]

@@ -47,6 +47,9 @@ pub struct Runtime<B: Backend> {
     /// [`Runtime::sync_to_store`]. Apart from the buffers because a tensor is `Send` but not
     /// `Sync`.
     handles: Mutex<HashMap<VarId, Tensor>>,
+    /// Whether each variable lives transposed on the device (decided before its first upload,
+    /// see [`Backend::prefers_transposed`]); absent: not yet decided, PyTorch's layout.
+    layouts: Mutex<HashMap<VarId, bool>>,
     metrics: Arc<Metrics>,
 }
 
@@ -63,6 +66,7 @@ impl<B: Backend> Runtime<B> {
             cache,
             vars: RwLock::new(HashMap::new()),
             handles: Mutex::new(HashMap::new()),
+            layouts: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::default()),
         }
     }
@@ -195,7 +199,7 @@ impl<B: Backend> Runtime<B> {
                     )))
                 }
             };
-            let buffer = self.upload(&host)?;
+            let buffer = self.upload(&self.device_layout(id, host)?)?;
             vars.insert(
                 id,
                 Resident {
@@ -209,8 +213,35 @@ impl<B: Backend> Runtime<B> {
 
     /// Makes `value` the device copy of variable `var` (uploading it).
     pub fn set_var(&self, var: &Tensor, value: &HostTensor) -> Result<()> {
-        let buffer = self.upload(value)?;
-        self.replace_var(var, buffer)
+        let id = self.register(var)?;
+        let buffer = self.upload(&self.device_layout(id, value.clone())?)?;
+        self.replace_resident(&mut self.vars.write(), id, buffer)
+    }
+
+    /// Whether `var` lives transposed on the device: decided now from `wanted` if it has not
+    /// been (and only before its first upload: a resident value keeps its layout).
+    pub(crate) fn transposed_layout(&self, var: &Tensor, wanted: bool) -> Result<bool> {
+        let id = self.register(var)?;
+        let mut layouts = self.layouts.lock();
+        if let Some(&t) = layouts.get(&id) {
+            return Ok(t);
+        }
+        let t = wanted && !self.vars.read().contains_key(&id);
+        layouts.insert(id, t);
+        Ok(t)
+    }
+
+    /// `value` (in the store's layout) as variable `id` lives on the device.
+    fn device_layout(&self, id: VarId, value: HostTensor) -> Result<HostTensor> {
+        match self.layouts.lock().get(&id) {
+            Some(true) => value.transposed_2d(),
+            _ => Ok(value),
+        }
+    }
+
+    /// A device value of variable `id` in the store's layout.
+    fn store_layout(&self, id: VarId, value: HostTensor) -> Result<HostTensor> {
+        self.device_layout(id, value)
     }
 
     /// The device copy of a resident variable, downloaded.
@@ -220,7 +251,7 @@ impl<B: Backend> Runtime<B> {
         let r = vars
             .get(&id)
             .ok_or_else(|| Error::Invalid(format!("variable {var:?} is not resident")))?;
-        self.download(&r.buffer)
+        self.store_layout(id, self.download(&r.buffer)?)
     }
 
     /// Replaces the device copy of `var` by `buffer` (a newer value computed on the device).
@@ -266,7 +297,7 @@ impl<B: Backend> Runtime<B> {
             let var = handles
                 .get(id)
                 .ok_or_else(|| Error::Internal(format!("resident variable {id} has no handle")))?;
-            let h = self.download(&r.buffer)?;
+            let h = self.store_layout(*id, self.download(&r.buffer)?)?;
             var.assign(&Tensor::from_host(&h)?)?;
             r.dirty = false;
         }

@@ -882,6 +882,38 @@ impl Backend for XlaBackend {
     ///
     /// First, 16-bit float sums and transcendental functions that XLA:CPU would compute in the
     /// narrow type are made to compute in f32 ([`WidenHalf`]).
+    /// A `Linear` weight (`[out, in]`, every use the right operand of a product contracting
+    /// its dim 1, none of them handed to a libtorch kernel): XLA's dot reads it 1.5–1.8×
+    /// faster stored `[in, out]` (`[256, 256]·[768, 256]ᵀ` 1.74 ms vs 1.10 ms, `[256,
+    /// 1024]·[256, 1024]ᵀ` 1.87 vs 1.06 ms on the Zen 4; Eigen repacks the transposed
+    /// operand on every call). f32 and f64 only.
+    fn prefers_transposed(&self, graph: &Graph, input: usize) -> bool {
+        let Some(inp) = graph.inputs().get(input) else {
+            return false;
+        };
+        let w = graph.node(inp.node);
+        if w.ty.shape.rank() != 2 || !matches!(w.ty.dtype, DType::F32 | DType::F64) {
+            return false;
+        }
+        let users = graph.users(inp.node);
+        let ffi = self.effective_ffi();
+        !users.is_empty()
+            && !graph.outputs().contains(&inp.node)
+            && users.iter().all(|&u| {
+                let n = graph.node(u);
+                match &n.op {
+                    crate::ir::Op::DotGeneral(d) => {
+                        n.operands[..] == [n.operands[0], inp.node]
+                            && n.operands[0] != inp.node
+                            && d.rhs_batch.is_empty()
+                            && d.rhs_contract == [1]
+                            && !ffi.dot(d, &graph.node(n.operands[0]).ty, &w.ty)
+                    }
+                    _ => false,
+                }
+            })
+    }
+
     fn rewrite(&self, graph: &mut Graph) -> Result<()> {
         WidenHalf.run(graph)?;
         if !self.autotuning() {
