@@ -270,9 +270,17 @@ impl Graph {
                 self.g[old].ty, self.g[new].ty
             )));
         }
+        self.move_uses(old, new);
+        Ok(())
+    }
+
+    /// Moves every use of `old` (as an operand or output) to `new`, except `new`'s own use of
+    /// `old`. Types are the caller's business.
+    fn move_uses(&mut self, old: NodeId, new: NodeId) {
         let uses: Vec<(petgraph::stable_graph::EdgeIndex<u32>, NodeId, usize)> = self
             .g
             .edges_directed(old, Direction::Outgoing)
+            .filter(|e| e.target() != new)
             .map(|e| (e.id(), e.target(), *e.weight()))
             .collect();
         for (e, user, pos) in uses {
@@ -285,7 +293,6 @@ impl Graph {
                 *o = new;
             }
         }
-        Ok(())
     }
 
     /// Removes a node that has no users and is not an input or output.
@@ -360,22 +367,7 @@ impl Graph {
         self.g[node].ty = transposed.clone();
         self.inputs[index].ty = transposed;
         let t = self.add_typed(Op::Transpose(vec![1, 0]), ty, &[node]);
-        let uses: Vec<(petgraph::stable_graph::EdgeIndex<u32>, NodeId, usize)> = self
-            .g
-            .edges_directed(node, Direction::Outgoing)
-            .filter(|e| e.target() != t)
-            .map(|e| (e.id(), e.target(), *e.weight()))
-            .collect();
-        for (e, user, pos) in uses {
-            self.g.remove_edge(e);
-            self.g.add_edge(t, user, pos);
-            self.g[user].operands[pos] = t;
-        }
-        for o in &mut self.outputs {
-            if *o == node {
-                *o = t;
-            }
-        }
+        self.move_uses(node, t);
         Ok(t)
     }
 
