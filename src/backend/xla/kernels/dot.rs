@@ -47,6 +47,10 @@ impl FfiKernel for DotKernel {
     }
 }
 
+/// At most this many rows on the left for [`DotPlan::run_into`] to multiply a transposed
+/// right operand as `(B · Aᵀ)ᵀ`.
+const SWAP_MAX_ROWS: i64 = 64;
+
 /// At most this many plans are kept per thread by [`cached_plan`] (then it starts over).
 const PLAN_CACHE_SIZE: usize = 256;
 
@@ -223,8 +227,18 @@ impl DotPlan {
         let b = b.f_permute(&self.perm_b)?.f_reshape([bs, k, n])?;
         let o = out.f_view([bs, m, n])?;
         if bs == 1 {
-            let o2 = o.f_select(0, 0)?;
-            let _ = a.f_select(0, 0)?.f_mm_out(&o2, &b.f_select(0, 0)?)?;
+            let mut o2 = o.f_select(0, 0)?;
+            let (a2, b2) = (a.f_select(0, 0)?, b.f_select(0, 0)?);
+            if m <= SWAP_MAX_ROWS && k > 1 && n > 1 && b2.stride() == [1, k] {
+                // `b2` is a torch `Linear` weight `[n, k]` read transposed: MKL computes
+                // `(W · aᵀ)ᵀ` 1.2–1.9× faster than `a · Wᵀ` for few rows (vgg16's
+                // `[4, 25088]·[4096, 25088]ᵀ` 35 ms vs 60–69 ms, `[16, 4096]·[4096, 4096]ᵀ` 7.5
+                // vs 9.4 ms, `[64, 4096]·[4096, 4096]ᵀ` 16.0 vs 18.4 ms on the Zen 4).
+                let t = b2.f_tr()?.f_mm(&a2.f_tr()?)?;
+                o2.f_copy_(&t.f_tr()?)?;
+            } else {
+                let _ = a2.f_mm_out(&o2, &b2)?;
+            }
         } else {
             let _ = a.f_bmm_out(&o, &b)?;
         }

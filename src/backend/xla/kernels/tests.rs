@@ -398,3 +398,35 @@ fn tiny_dot_loop_matches_libtorch() {
         }
     }
 }
+
+/// The libtorch route of the dot kernel, on a `Linear`-layout product with few rows (computed
+/// as `(W · xᵀ)ᵀ`) and with many (plain `mm`), against a float64 reference.
+#[test]
+fn linear_layout_products_match_the_reference() {
+    let lin = DotDims {
+        lhs_batch: vec![],
+        rhs_batch: vec![],
+        lhs_contract: vec![1],
+        rhs_contract: vec![1],
+    };
+    for rows in [1i64, 4, 64, 70] {
+        let plan = DotPlan::new(&lin, &[rows, 300], &[200, 300]).unwrap();
+        assert!(plan.tiny().is_none());
+        let (x, w) = (seeded(&[rows, 300], 3), seeded(&[200, 300], 4));
+        let want = x.matmul(&w.tr());
+        for kind in [tch::Kind::Double, tch::Kind::Float] {
+            let out = Tensor::zeros([rows, 200], (kind, tch::Device::Cpu));
+            plan.run_into(&x.to_kind(kind), &w.to_kind(kind), &out)
+                .unwrap();
+            let tol = if kind == tch::Kind::Double {
+                1e-10
+            } else {
+                1e-3
+            };
+            assert!(
+                max_diff(&out.to_kind(tch::Kind::Double), &want) < tol,
+                "{rows} rows {kind:?}"
+            );
+        }
+    }
+}
