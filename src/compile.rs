@@ -3,11 +3,11 @@
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::inspect::Inspection;
-use crate::ir::{Fingerprint, Graph, InputKind, TensorType};
+use crate::ir::{Fingerprint, Graph, GraphSize, InputKind, TensorType};
 use crate::passes::{dedup_outputs, simplify, OutputSource};
 use crate::runtime::exec::{Arg, Dest, Plan, Step, Values};
 use crate::runtime::{DeviceOutputs, DeviceResult, Runtime, Stats};
-use crate::trace::{trace, var_input, Binding, Tensor, Traced};
+use crate::trace::{trace_sized, var_input, Binding, Tensor, Traced};
 use parking_lot::{Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -206,6 +206,8 @@ struct Tracer<B: Backend> {
     /// trace repeats an earlier one pays the trace and a fingerprint, not the preparation
     /// (simplification, the backend's rewrites, binding) again.
     seen: HashMap<TraceKey, (Program, Arc<FnPlan<B>>)>,
+    /// The size of the latest trace, which the next one starts with room for.
+    last_size: GraphSize,
 }
 
 /// What identifies a trace: the raw graph's structure and what its inputs and outputs are
@@ -300,6 +302,7 @@ where
                 f: Box::new(f),
                 programs: HashMap::new(),
                 seen: HashMap::new(),
+                last_size: GraphSize::default(),
             }),
             plans: RwLock::new(HashMap::new()),
             seed: 0,
@@ -489,7 +492,8 @@ impl<B: Backend> FnState<B> {
         }
         let tracer = &mut *tracer; // borrow its fields apart
         let t0 = Instant::now();
-        let traced = trace(signature, |xs| (tracer.f)(xs))?;
+        let traced = trace_sized(signature, tracer.last_size, |xs| (tracer.f)(xs))?;
+        tracer.last_size = traced.graph.size();
         let key = match self.mode {
             TraceMode::EveryCall => TraceKey::of(&traced),
             TraceMode::Once => None,

@@ -28,13 +28,15 @@ use crate::autograd::{joint, partition, BackwardInput, SavePolicy};
 use crate::backend::{Backend, HostTensor};
 use crate::compile::TraceMode;
 use crate::error::{Error, Result};
-use crate::ir::{BinaryOp, DType, Fingerprint, Graph, InputKind, Literal, NodeId, Op, TensorType};
+use crate::ir::{
+    BinaryOp, DType, Fingerprint, Graph, GraphSize, InputKind, Literal, NodeId, Op, TensorType,
+};
 use crate::nn::{Init, ParamStore};
 use crate::optim::Optimizer;
 use crate::passes::{autocast_graph, simplify};
 use crate::runtime::exec::{Arg, Dest, Plan, PlanBuilder, StepBuilder, VarId};
 use crate::runtime::{ExecutableCache, Runtime, Stats};
-use crate::trace::{trace, Binding, Tensor, Traced};
+use crate::trace::{trace_sized, Binding, Tensor, Traced};
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
@@ -168,6 +170,8 @@ pub struct TrainStep<B: Backend> {
     programs: Vec<TrainProgram<B>>,
     by_signature: HashMap<Vec<TensorType>, usize>,
     by_fingerprint: HashMap<Fingerprint, usize>,
+    /// The size of the latest trace, which the next one starts with room for.
+    last_trace_size: GraphSize,
     /// The last step's program and its per-step device values (the loss among them).
     last: Option<(usize, Vec<Option<B::Buffer>>)>,
     steps: u64,
@@ -217,6 +221,7 @@ impl<B: Backend> TrainStep<B> {
             programs: Vec::new(),
             by_signature: HashMap::new(),
             by_fingerprint: HashMap::new(),
+            last_trace_size: GraphSize::default(),
             last: None,
             steps: 0,
             mixed: None,
@@ -510,7 +515,10 @@ impl<B: Backend> TrainStep<B> {
             }
         }
         let t0 = Instant::now();
-        let traced = trace(signature, |xs| Ok(vec![(self.loss_fn)(xs)?]))?;
+        let traced = trace_sized(signature, self.last_trace_size, |xs| {
+            Ok(vec![(self.loss_fn)(xs)?])
+        })?;
+        self.last_trace_size = traced.graph.size();
         let loss_ty = traced.graph.node(traced.graph.outputs()[0]).ty.clone();
         if loss_ty.shape.rank() != 0 || !loss_ty.dtype.is_float() {
             return Err(Error::Invalid(format!(

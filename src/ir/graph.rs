@@ -56,6 +56,17 @@ pub struct Input {
     pub ty: TensorType,
 }
 
+/// The node, edge and input counts of a graph ([`Graph::size`], [`Graph::with_capacity`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphSize {
+    /// Nodes.
+    pub nodes: usize,
+    /// Edges (operand uses).
+    pub edges: usize,
+    /// Inputs.
+    pub inputs: usize,
+}
+
 /// A typed dataflow graph with ordered inputs and outputs.
 ///
 /// Nodes are only added through [`Graph::add`], which infers and checks the result type, so
@@ -74,6 +85,25 @@ impl Graph {
     /// An empty graph.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty graph with room for `size`'s nodes, edges and inputs (a repeated trace
+    /// builds the same graph again without growing its storage step by step).
+    pub fn with_capacity(size: GraphSize) -> Self {
+        Graph {
+            g: StableDiGraph::with_capacity(size.nodes, size.edges),
+            inputs: Vec::with_capacity(size.inputs),
+            ..Self::default()
+        }
+    }
+
+    /// How many nodes, edges and inputs the graph has.
+    pub fn size(&self) -> GraphSize {
+        GraphSize {
+            nodes: self.g.node_count(),
+            edges: self.g.edge_count(),
+            inputs: self.inputs.len(),
+        }
     }
 
     /// Declares a new input and returns its node.

@@ -14,7 +14,7 @@ mod shape;
 
 pub use dtype::DType;
 pub use fingerprint::Fingerprint;
-pub use graph::{Graph, Input, InputKind, Node, NodeId};
+pub use graph::{Graph, GraphSize, Input, InputKind, Node, NodeId};
 pub use op::{
     BinaryOp, CompareOp, ConvAttrs, DotDims, Literal, Op, ReduceKind, UnaryOp, WindowAttrs,
 };

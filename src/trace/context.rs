@@ -7,7 +7,7 @@
 use super::{Repr, Tensor, VarKind};
 use crate::backend::HostTensor;
 use crate::error::{Error, Result};
-use crate::ir::{Graph, InputKind, Literal, NodeId, Op, TensorType};
+use crate::ir::{Graph, GraphSize, InputKind, Literal, NodeId, Op, TensorType};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -162,12 +162,21 @@ pub fn trace<F>(inputs: &[TensorType], f: F) -> Result<Traced>
 where
     F: FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
 {
+    trace_sized(inputs, GraphSize::default(), f)
+}
+
+/// [`trace`] into a graph with room for `size` (the size of an earlier trace of the same
+/// function, which a repeated trace is likely to reach again).
+pub(crate) fn trace_sized<F>(inputs: &[TensorType], size: GraphSize, f: F) -> Result<Traced>
+where
+    F: FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
+{
     let id = NEXT_TRACE.fetch_add(1, Ordering::Relaxed);
     let mut ctx = TraceCtx {
         id,
-        graph: Graph::new(),
-        bindings: Vec::new(),
-        lifted: HashMap::new(),
+        graph: Graph::with_capacity(size),
+        bindings: Vec::with_capacity(size.inputs),
+        lifted: HashMap::with_capacity(size.inputs),
         assigns: Vec::new(),
         rng_key: None,
         rng_draws: 0,
