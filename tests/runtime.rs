@@ -647,3 +647,44 @@ fn a_value_returned_and_stored_moves_once() -> kiln::Result<()> {
     assert_eq!(h.to_f64_vec()?, last);
     Ok(())
 }
+
+/// Uploads of eager tensors ([`Backend::tensor_to_device`]): straight from the memory of a
+/// contiguous CPU tensor of the element type, through a host copy otherwise (views, `u32`
+/// held as `i64`); every case reads back as the tensor's own values and type.
+#[test]
+fn uploads_of_eager_tensors_read_back_their_values() -> kiln::Result<()> {
+    use tch::{Device, Kind};
+    let xla = XlaBackend::new()?;
+    let base = Tensor::randn(&[6, 5], 3)?;
+    let b = base.as_tch()?;
+    let cases = [
+        ("contiguous f32", base.clone()),
+        ("transposed view", Tensor::from_tch(b.tr())?),
+        (
+            "rows 2..5 (storage offset)",
+            Tensor::from_tch(b.narrow(0, 2, 3))?,
+        ),
+        ("f64", Tensor::from_tch(b.to_kind(Kind::Double))?),
+        (
+            "i64",
+            Tensor::from_tch(tch::Tensor::arange(12, (Kind::Int64, Device::Cpu)).view([3, 4]))?,
+        ),
+        ("u32", Tensor::from_slice(&[3], &[1u32, 7, u32::MAX])?),
+        ("bool", Tensor::from_slice(&[2], &[true, false])?),
+        (
+            "empty",
+            Tensor::from_tch(tch::Tensor::zeros([0, 4], (Kind::Float, Device::Cpu)))?,
+        ),
+        ("scalar", Tensor::from_slice(&[], &[2.5f32])?),
+    ];
+    for (name, t) in cases {
+        let buf = xla.tensor_to_device(&t)?;
+        assert_eq!(xla.buffer_type(&buf)?, *t.ty(), "{name}");
+        assert_eq!(
+            xla.to_host(&buf)?.bytes(),
+            t.to_host()?.bytes(),
+            "{name}: the device copy differs"
+        );
+    }
+    Ok(())
+}

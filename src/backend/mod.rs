@@ -81,6 +81,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Copies a host tensor to the device.
     fn to_device(&self, t: &HostTensor) -> Result<Self::Buffer>;
 
+    /// Copies an eager tensor to the device. The default goes through a host copy
+    /// ([`Backend::to_device`]); a backend may read the tensor's memory directly.
+    fn tensor_to_device(&self, t: &crate::Tensor) -> Result<Self::Buffer> {
+        self.to_device(&t.to_host()?)
+    }
+
     /// Copies a buffer to the host (waits for it to be computed).
     fn to_host(&self, b: &Self::Buffer) -> Result<HostTensor>;
 

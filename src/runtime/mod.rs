@@ -118,9 +118,13 @@ impl<B: Backend> Runtime<B> {
         Ok(b)
     }
 
-    /// Copies an eager tensor to the device.
+    /// Copies an eager tensor to the device ([`Backend::tensor_to_device`]).
     pub fn upload_tensor(&self, t: &Tensor) -> Result<B::Buffer> {
-        self.upload(&t.to_host()?)
+        let b = self.backend.tensor_to_device(t)?;
+        for _ in 0..self.backend.replicas() {
+            self.metrics.h2d(t.ty().size_in_bytes());
+        }
+        Ok(b)
     }
 
     /// Copies a buffer to the host, waiting for it (one sync point).

@@ -1019,6 +1019,31 @@ impl Backend for XlaBackend {
         self.upload_to(t, 0)
     }
 
+    /// Straight from the tensor's memory when it is a contiguous CPU tensor of the element
+    /// type ([`pjrt::Client::buffer_from_tch`]): no host copy first. `u32` values (held as
+    /// `i64` by eager tensors) and other tensors go through [`HostTensor`].
+    fn tensor_to_device(&self, t: &crate::Tensor) -> Result<XlaBuffer> {
+        let ty = t.ty();
+        if ty.dtype != DType::U32 {
+            let tt = t.as_tch()?;
+            if tt.device() == tch::Device::Cpu
+                && tt.kind() == crate::backend::eager::kind_of(ty.dtype)
+                && tt.is_contiguous()
+            {
+                let dims = ty.shape.to_i64();
+                let buffer =
+                    self.inner
+                        .client
+                        .buffer_from_tch(tt, element_type(ty.dtype), &dims, 0)?;
+                return Ok(XlaBuffer {
+                    buffer,
+                    ty: ty.clone(),
+                });
+            }
+        }
+        self.to_device(&t.to_host()?)
+    }
+
     fn to_host(&self, b: &XlaBuffer) -> Result<HostTensor> {
         let mut data = vec![0u8; b.ty.size_in_bytes()];
         b.buffer.to_host(&mut data)?;

@@ -386,6 +386,54 @@ impl Client {
     }
 }
 
+impl Client {
+    /// [`Client::buffer_from_host`] reading a contiguous CPU libtorch tensor's memory in place
+    /// (no host copy of its own first); `ty` and `dims` describe the buffer, whose bytes must
+    /// be the tensor's.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] if `t` is not a contiguous CPU tensor or holds another number of
+    /// bytes than `ty` and `dims` need; as [`Client::buffer_from_host`].
+    pub fn buffer_from_tch(
+        &self,
+        t: &tch::Tensor,
+        ty: ElementType,
+        dims: &[i64],
+        device: usize,
+    ) -> Result<Buffer> {
+        if t.device() != tch::Device::Cpu || !t.is_contiguous() {
+            return Err(Error::Invalid(format!(
+                "buffer_from_tch: a {:?} tensor on {:?}, contiguous: {} (needs a contiguous CPU tensor)",
+                t.kind(),
+                t.device(),
+                t.is_contiguous()
+            )));
+        }
+        let size = t.numel() * t.kind().elt_size_in_bytes();
+        let expected = host_byte_size(ty, dims)?;
+        if size != expected {
+            return Err(Error::Invalid(format!(
+                "buffer_from_tch: a {:?} tensor of {size} bytes for {ty}{dims:?}, which needs {expected}",
+                t.kind()
+            )));
+        }
+        if size == 0 {
+            return self.buffer_from_host(&[], ty, dims, device);
+        }
+        let p = t.data_ptr().cast::<u8>().cast_const();
+        if p.is_null() {
+            return Err(Error::Invalid(
+                "buffer_from_tch: the tensor has no storage".into(),
+            ));
+        }
+        // SAFETY: `t` is a contiguous CPU tensor: its `size` bytes lie at `p` (its data
+        // pointer, storage offset included), and `t` is borrowed until `buffer_from_host` has
+        // returned, by which time the plugin no longer reads them.
+        let data = unsafe { std::slice::from_raw_parts(p, size) };
+        self.buffer_from_host(data, ty, dims, device)
+    }
+}
+
 impl fmt::Debug for Client {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Client")
