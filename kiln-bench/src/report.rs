@@ -374,12 +374,12 @@ impl Report {
     }
 
     /// The header line saying what ran on how many threads: `eager: libtorch 2 intra-op
-    /// thread(s) (libtorch's default), OMP_WAIT_POLICY=PASSIVE; compiled: XLA (plugin ...), its
-    /// threads confined to 2 CPU(s) ...`.
+    /// thread(s) (libtorch's default), timed before the compiled runs; compiled: XLA (plugin
+    /// ...), its threads confined to 2 CPU(s) ...` (plus `OMP_WAIT_POLICY` when set).
     pub fn threads_line(&self) -> String {
         let t = &self.threads;
         let eager = format!(
-            "eager: libtorch {} intra-op thread(s) ({}){}",
+            "eager: libtorch {} intra-op thread(s) ({}){}, timed before the compiled runs",
             t.eager,
             if t.eager_default {
                 "libtorch's default"

@@ -15,54 +15,15 @@
 //! the harness does not rely on it.
 
 use crate::error::{Error, Result};
-use std::ffi::OsString;
 
-/// Set in the environment of the re-executed harness so that it does not re-execute again.
-const REEXEC_ENV: &str = "KILN_BENCH_REEXEC";
-
-/// The OpenMP wait policy the harness runs libtorch under unless `OMP_WAIT_POLICY` is set.
-///
-/// With the default (active, spinning) policy, libtorch's OpenMP workers spin at each barrier
-/// and stall whenever XLA's pool (or another process) holds a core: resnet18 eager at 2
-/// threads interleaved with XLA on 2 cores measured 838 ms with `ACTIVE`, 22 ms with `PASSIVE`
-/// (21 ms with no XLA in the process). Passive waiting sleeps instead of spinning.
-pub const OMP_WAIT_POLICY: &str = "PASSIVE";
-
-/// Re-executes the current binary with `OMP_WAIT_POLICY=PASSIVE` in its environment (and the
-/// other `env` pairs), unless it was already re-executed or the user set `OMP_WAIT_POLICY`.
-///
-/// OpenMP runtimes read their environment once, when the library is loaded (libgomp in a
-/// constructor), which happens before `main`; setting the variable later has no effect, hence
-/// the re-exec. Returns only if no re-exec happened (or it failed, reported on stderr).
-pub fn reexec_with_omp_policy(env: &[(&str, OsString)]) {
-    if std::env::var_os(REEXEC_ENV).is_some() || std::env::var_os("OMP_WAIT_POLICY").is_some() {
-        for (k, v) in env {
-            std::env::set_var(k, v);
-        }
-        return;
-    }
-    let Ok(exe) = std::env::current_exe() else {
-        return;
-    };
-    use std::os::unix::process::CommandExt;
-    let mut args = std::env::args_os();
-    let mut cmd = std::process::Command::new(exe);
-    if let Some(arg0) = args.next() {
-        cmd.arg0(arg0);
-    }
-    cmd.args(args)
-        .env("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
-        .env(REEXEC_ENV, "1");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let e = cmd.exec();
-    eprintln!("warning: could not re-execute with OMP_WAIT_POLICY={OMP_WAIT_POLICY}: {e}");
-    for (k, v) in env {
-        std::env::set_var(k, v);
-    }
-}
-
+/// OpenMP's wait policy is left as libtorch's users run it (libgomp's default: spin a while
+/// at a barrier, then sleep) unless `OMP_WAIT_POLICY` is set. An earlier harness forced
+/// `PASSIVE` to keep eager's spinning workers from stalling XLA when the two alternated; on a
+/// 2-vCPU Zen 4 that made eager itself 1.5–3× slower (resnet18 18.0 vs 12.4 ms, mobilenet_v2
+/// 24.5 vs 7.8 ms, bert 16.9 vs 11.3 ms, batch 4), and the default policy's bounded spinning
+/// did not stall XLA (compiled resnet18 13.6 ms under `PASSIVE`, 13.9–15.6 ms under the
+/// default). Eager is now timed before any compiled run (see `runner::run`), so the two never
+/// alternate.
 /// The CPUs this thread may run on (new threads inherit the set).
 pub fn allowed_cpus() -> Result<Vec<usize>> {
     // SAFETY: `cpu_set_t` is plain data for which all-zero is the empty set; the pointer is

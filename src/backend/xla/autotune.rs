@@ -108,7 +108,7 @@ impl fmt::Display for Lowering {
 /// Why off by default: measurement costs compile time and its outcome depends on the machine's
 /// load at that moment. Measured on the 2-vCPU AMD EPYC (xla-cpu-pjrt 0.0.1, batch 4 at 64×64;
 /// a machine shared with other jobs; libtorch with `OMP_WAIT_POLICY=PASSIVE` as the benchmark
-/// harness runs it; `examples/autotune_report.rs --e2e`), ms per run, median / best of 21
+/// harness ran it then; `examples/autotune_report.rs --e2e`), ms per run, median / best of 21
 /// interleaved rounds in rotating order, and the first call (trace + measure + compile);
 /// "kept" is the whole-graph check's pick. Inference at load average ~7:
 ///
