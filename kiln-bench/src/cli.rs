@@ -33,9 +33,9 @@ pub enum ModeArg {
 
 const AFTER_HELP: &str = "\
 Method (PyTorch's torchbench.py): warm-up calls are excluded from the timings (a variant's
-first call, which traces and compiles, is reported as `compile s`); eager and compiled
-repetitions are interleaved, each timed over --iterations-per-run iterations with one sync at
-the end; speedup = median(eager) / median(compiled), with the p-value of Welch's t-test (SAME:
+first call, which traces and compiles, is reported as `compile s`); every model's eager
+repetitions run first, then each model's compiled variants, interleaved with each other (see
+Threads), each timed over --iterations-per-run iterations with one sync at the end; speedup = median(eager) / median(compiled), with the p-value of Welch's t-test (SAME:
 p > 0.1); a geomean row closes the table. Accuracy: each compiled result is checked against
 eager: inference outputs allclose(rtol=1e-3, atol=1e-3) or (cosine >= 0.999 and norms within
 1%); training, the first step from the same initial parameters: its loss allclose(rtol=1e-3,

@@ -32,10 +32,12 @@
 //!    the accuracy check against eager's under [`Tolerance`]: inference, every call's output;
 //!    training, the first step from the same initial parameters, its loss and its parameter
 //!    update ([`UPDATE_RTOL`]).
-//! 2. **Timed repetitions** (`repeat`): in each, eager and then every variant run
-//!    `iterations_per_run` iterations with one sync (reading the result back) at the end. The
-//!    runs are interleaved, so that frequency scaling and background load hit all of them
-//!    alike. With `randomize_input`, every repetition draws fresh seeded inputs (integer inputs
+//! 2. **Timed repetitions** (`repeat`): each run is `iterations_per_run` iterations with one
+//!    sync (reading the result back) at the end. Every model's eager repetitions run first,
+//!    before any compiled run in the process (kiln's libtorch kernels start OpenMP teams on
+//!    XLA's threads, which slow eager libtorch down in the same process; see
+//!    `examples/eager_interference.rs`); then each model's variants, their repetitions
+//!    interleaved so that frequency scaling and background load hit all of them alike. With `randomize_input`, every repetition draws fresh seeded inputs (integer inputs
 //!    such as token ids are kept), and inference results are checked again.
 //! 3. **Result**: per-iteration medians; `speedup = median(eager) / median(variant)`; the
 //!    p-value of Welch's t-test on the two samples (`SAME` when above 0.1: no evidence of a

@@ -553,7 +553,7 @@ impl std::fmt::Display for Report {
             Experiment::Performance => writeln!(
                 f,
                 "{what}; speedup = eager median / compiled median over {} repetitions of {} \
-                 iteration(s) (interleaved, {} warm-up call(s) excluded{}); p = Welch's t-test \
+                 iteration(s) (eager first, variants interleaved, {} warm-up call(s) excluded{}); p = Welch's t-test \
                  (SAME: p > {SAME_THRESHOLD}); compile s = each column's first call (trace + compile + \
                  run), in column order; compression = eager peak memory / compiled peak memory, \
                  each the resident-set growth during one call over the resident set before it \
