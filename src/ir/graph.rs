@@ -481,6 +481,36 @@ mod tests {
         (g, xs, y)
     }
 
+    /// `size` counts nodes, edges (one per operand use) and inputs; a graph built again with
+    /// room for that size is the same graph.
+    #[test]
+    fn a_graph_built_with_capacity_is_the_same_graph() {
+        let (g, _, _) = wide_concat();
+        let size = g.size();
+        assert_eq!(
+            size,
+            GraphSize {
+                nodes: 301,
+                edges: 300,
+                inputs: 300
+            }
+        );
+        let mut again = Graph::with_capacity(size);
+        let xs: Vec<NodeId> = (0..300)
+            .map(|i| {
+                again.add_input(
+                    InputKind::Data,
+                    format!("x{i}"),
+                    TensorType::new(DType::F32, [1]),
+                )
+            })
+            .collect();
+        let y = again.add(Op::Concat { axis: 0 }, &xs).unwrap();
+        again.set_outputs(vec![y]).unwrap();
+        assert_eq!(again.size(), size);
+        assert_eq!(again.fingerprint(), g.fingerprint());
+    }
+
     /// A transposed input keeps the graph well typed: users and outputs read a transpose of
     /// it, of the old type; a transposed output has the new type.
     #[test]
