@@ -243,16 +243,15 @@ pub(crate) fn run(
     let mut rows = Vec::with_capacity(n);
     for (i, (mut row, eager)) in started.into_iter().enumerate() {
         progress.message(format!("[{}/{n}] {}", i + 1, row.model));
-        let start = progress.bar.position();
         if let Some(eager) = eager {
             guarded(&mut row, |row| {
                 bench_compiled(eager, opts, backend, row, &progress).map(Some)
             });
         }
-        // Keep the bar's count right whatever was skipped.
+        // Keep the bar's count right whatever was skipped (phase 1's steps included).
         progress
             .bar
-            .set_position(start + units_per_model(opts, variants.len()));
+            .set_position((i as u64 + 1) * units_per_model(opts, variants.len()));
         progress.note(summary_line(&row, backend.label()));
         rows.push(row);
     }
