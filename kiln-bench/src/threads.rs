@@ -16,14 +16,15 @@
 
 use crate::error::{Error, Result};
 
-/// OpenMP's wait policy is left as libtorch's users run it (libgomp's default: spin a while
-/// at a barrier, then sleep) unless `OMP_WAIT_POLICY` is set. An earlier harness forced
-/// `PASSIVE` to keep eager's spinning workers from stalling XLA when the two alternated; on a
-/// 2-vCPU Zen 4 that made eager itself 1.5–3× slower (resnet18 18.0 vs 12.4 ms, mobilenet_v2
-/// 24.5 vs 7.8 ms, bert 16.9 vs 11.3 ms, batch 4), and the default policy's bounded spinning
-/// did not stall XLA (compiled resnet18 13.6 ms under `PASSIVE`, 13.9–15.6 ms under the
-/// default). Eager is now timed before any compiled run (see `runner::run`), so the two never
-/// alternate.
+// OpenMP's wait policy is left as libtorch's users run it (libgomp's default: spin a while
+// at a barrier, then sleep) unless `OMP_WAIT_POLICY` is set. An earlier harness forced
+// `PASSIVE` to keep eager's spinning workers from stalling XLA when the two alternated; on a
+// 2-vCPU Zen 4 that made eager itself 1.5–3× slower (resnet18 18.0 vs 12.4 ms, mobilenet_v2
+// 24.5 vs 7.8 ms, bert 16.9 vs 11.3 ms, batch 4), and the default policy's bounded spinning
+// did not stall XLA (compiled resnet18 13.6 ms under `PASSIVE`, 13.9–15.6 ms under the
+// default). Eager is now timed before any compiled run (see `runner::run`), so the two never
+// alternate.
+
 /// The CPUs this thread may run on (new threads inherit the set).
 pub fn allowed_cpus() -> Result<Vec<usize>> {
     // SAFETY: `cpu_set_t` is plain data for which all-zero is the empty set; the pointer is
