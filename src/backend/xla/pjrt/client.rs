@@ -384,16 +384,15 @@ impl Client {
             message: "the plugin returned no buffer".into(),
         })
     }
-}
 
-impl Client {
     /// [`Client::buffer_from_host`] reading a contiguous CPU libtorch tensor's memory in place
     /// (no host copy of its own first); `ty` and `dims` describe the buffer, whose bytes must
     /// be the tensor's.
     ///
     /// # Errors
-    /// [`Error::Invalid`] if `t` is not a contiguous CPU tensor or holds another number of
-    /// bytes than `ty` and `dims` need; as [`Client::buffer_from_host`].
+    /// [`Error::Invalid`] if `t` is not a contiguous CPU tensor; as
+    /// [`Client::buffer_from_host`] (which rejects a tensor holding another number of bytes
+    /// than `ty` and `dims` need).
     pub fn buffer_from_tch(
         &self,
         t: &tch::Tensor,
@@ -409,14 +408,8 @@ impl Client {
                 t.is_contiguous()
             )));
         }
+        // The byte count is checked against `ty` and `dims` by `buffer_from_host`.
         let size = t.numel() * t.kind().elt_size_in_bytes();
-        let expected = host_byte_size(ty, dims)?;
-        if size != expected {
-            return Err(Error::Invalid(format!(
-                "buffer_from_tch: a {:?} tensor of {size} bytes for {ty}{dims:?}, which needs {expected}",
-                t.kind()
-            )));
-        }
         if size == 0 {
             return self.buffer_from_host(&[], ty, dims, device);
         }
