@@ -112,19 +112,22 @@ impl<B: Backend> Runtime<B> {
     /// backend: one transfer each).
     pub fn upload(&self, h: &HostTensor) -> Result<B::Buffer> {
         let b = self.backend.to_device(h)?;
-        for _ in 0..self.backend.replicas() {
-            self.metrics.h2d(h.bytes().len());
-        }
+        self.count_upload(h.bytes().len());
         Ok(b)
     }
 
     /// Copies an eager tensor to the device ([`Backend::tensor_to_device`]).
     pub fn upload_tensor(&self, t: &Tensor) -> Result<B::Buffer> {
         let b = self.backend.tensor_to_device(t)?;
-        for _ in 0..self.backend.replicas() {
-            self.metrics.h2d(t.ty().size_in_bytes());
-        }
+        self.count_upload(t.ty().size_in_bytes());
         Ok(b)
+    }
+
+    /// Counts an upload of `bytes` to every replica's device (one transfer each).
+    fn count_upload(&self, bytes: usize) {
+        for _ in 0..self.backend.replicas() {
+            self.metrics.h2d(bytes);
+        }
     }
 
     /// Copies a buffer to the host, waiting for it (one sync point).
