@@ -466,7 +466,11 @@ mod tests {
 
     /// A `Concat` of 300 inputs: more operands than a `u8` position can number.
     fn wide_concat() -> (Graph, Vec<NodeId>, NodeId) {
-        let mut g = Graph::new();
+        wide_concat_into(Graph::new())
+    }
+
+    /// [`wide_concat`] built into `g` (an empty graph).
+    fn wide_concat_into(mut g: Graph) -> (Graph, Vec<NodeId>, NodeId) {
         let xs: Vec<NodeId> = (0..300)
             .map(|i| {
                 g.add_input(
@@ -495,18 +499,7 @@ mod tests {
                 inputs: 300
             }
         );
-        let mut again = Graph::with_capacity(size);
-        let xs: Vec<NodeId> = (0..300)
-            .map(|i| {
-                again.add_input(
-                    InputKind::Data,
-                    format!("x{i}"),
-                    TensorType::new(DType::F32, [1]),
-                )
-            })
-            .collect();
-        let y = again.add(Op::Concat { axis: 0 }, &xs).unwrap();
-        again.set_outputs(vec![y]).unwrap();
+        let (again, _, _) = wide_concat_into(Graph::with_capacity(size));
         assert_eq!(again.size(), size);
         assert_eq!(again.fingerprint(), g.fingerprint());
     }
