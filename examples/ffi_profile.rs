@@ -473,9 +473,10 @@ fn print_kernel_share(
             .unwrap_or((0, &0.0));
         let k = kern[i][b];
         println!(
-            "{name} {what} ({}): {} kernel calls, {:.2} ms in kernels, {:.2} ms waiting for the lock",
+            "{name} {what} ({}): {} kernel calls ({} handed to the waiting thread), {:.2} ms in kernels, {:.2} ms waiting for the lock",
             if i == 2 { "ffi auto" } else { "ffi all" },
             k.calls,
+            k.handed_over,
             k.run_ns as f64 * 1e-6,
             k.wait_ns as f64 * 1e-6
         );

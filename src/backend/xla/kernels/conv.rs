@@ -4,6 +4,7 @@
 use super::{torch_lock, ConvForm, CONV_TARGET};
 use crate::backend::eager::batch_groups_to_channels;
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
+use crate::backend::xla::pjrt::handoff::HANDOFF;
 use crate::error::{Error, Result};
 use crate::ir::{ConvAttrs, TensorType};
 use tch::Tensor;
@@ -69,19 +70,22 @@ impl FfiKernel for ConvKernel {
                 xb.dims, kb.dims, ob.dims
             )));
         }
-        let _guard = torch_lock();
-        let (x, k, out) = (xb.tensor()?, kb.tensor()?, ob.tensor()?);
-        match form {
-            ConvForm::WeightGradient | ConvForm::WeightGradientTransposed => {
-                weight_gradient_into(&c, &x, &k, &out, form == ConvForm::WeightGradientTransposed)
+        HANDOFF.run(|| {
+            let _guard = torch_lock();
+            let (x, k, out) = (xb.tensor()?, kb.tensor()?, ob.tensor()?);
+            match form {
+                ConvForm::WeightGradient | ConvForm::WeightGradientTransposed => {
+                    let transposed = form == ConvForm::WeightGradientTransposed;
+                    weight_gradient_into(&c, &x, &k, &out, transposed)
+                }
+                _ => {
+                    let r = conv_form(&c, &x, &k, form)?;
+                    // A second handle on the same storage: `copy_` takes `&mut`.
+                    out.shallow_clone().f_copy_(&r)?;
+                    Ok(())
+                }
             }
-            _ => {
-                let r = conv_form(&c, &x, &k, form)?;
-                // A second handle on the same storage: `copy_` takes `&mut`.
-                out.shallow_clone().f_copy_(&r)?;
-                Ok(())
-            }
-        }
+        })
     }
 }
 

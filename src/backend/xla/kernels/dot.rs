@@ -3,6 +3,7 @@
 
 use super::{torch_lock, DOT_TARGET};
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
+use crate::backend::xla::pjrt::handoff::HANDOFF;
 use crate::error::{Error, Result};
 use crate::ir::{DType, DotDims};
 use std::cell::RefCell;
@@ -41,9 +42,11 @@ impl FfiKernel for DotKernel {
                 ),
             };
         }
-        let _guard = torch_lock();
-        let (a, b, out) = (ab.tensor()?, bb.tensor()?, ob.tensor()?);
-        plan.run_into(&a, &b, &out)
+        HANDOFF.run(|| {
+            let _guard = torch_lock();
+            let (a, b, out) = (ab.tensor()?, bb.tensor()?, ob.tensor()?);
+            plan.run_into(&a, &b, &out)
+        })
     }
 }
 

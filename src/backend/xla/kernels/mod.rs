@@ -30,10 +30,13 @@
 //!   strides allow) as `[B, M, K]` and `[B, K, N]` and multiplied by `mm`/`bmm` straight into
 //!   the result buffer.
 //!
-//! Threads: XLA calls handlers from its worker threads, possibly several at once. Kernel
-//! bodies run one at a time under a process-wide lock (each libtorch kernel already spreads
-//! over all cores with OpenMP; two at once would oversubscribe them), with libtorch's default
-//! thread count unless [`set_threads`] says otherwise — see [`torch_lock`].
+//! Threads: XLA calls handlers from its worker threads, possibly several at once. A handler
+//! hands its kernel body to the thread waiting for the execution's results, which runs it
+//! with its own libtorch threads (no OpenMP team per XLA worker: see the `threads` notes);
+//! with nobody waiting, the body runs on the worker with one libtorch thread. Kernel bodies
+//! run one at a time under a process-wide lock (each libtorch kernel already spreads over all
+//! cores with OpenMP; two at once would oversubscribe them), with libtorch's default thread
+//! count unless [`set_threads`] says otherwise — see [`torch_lock`].
 //!
 //! A plugin without the FFI extension, or not a CPU plugin, gets pure XLA lowering (see
 //! `XlaBackend::ffi_status`).

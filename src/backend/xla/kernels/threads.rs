@@ -11,12 +11,18 @@
 //! teams of 2 stall at their barriers (a 100 µs kernel taking 14 ms), where 1 thread per
 //! kernel stays stable: [`set_threads`]`(1)` is the setting for a shared machine.
 //!
-//! Inside an executable a kernel runs 1.5–3× slower than the same kernel alone (squeezenet's
-//! 1×1 512→1000: 0.33 ms alone, 1.1–1.4 ms inside; vit's linears 10 ms alone, 12–20 ms
-//! inside), and 2 threads are barely faster than 1 there — probably because XLA's own worker
-//! threads are still spinning for work while the kernel runs (not verified).
-//! [`FfiMode::Auto`](super::FfiMode::Auto) sends only what wins despite that.
+//! Inside an executable a kernel used to run 1.5–3× slower than the same kernel alone
+//! (squeezenet's 1×1 512→1000: 0.33 ms alone, 1.1–1.4 ms inside): called on XLA's worker
+//! threads, each kernel's OpenMP regions started a team per worker, and with more OpenMP
+//! threads than CPUs libgomp throttles the spinning of every team. Kernels now run on the
+//! thread that waits for the execution's results (the `pjrt::handoff` module), in its
+//! existing team: resnet18 inference with every convolution a kernel ([`FfiMode::All`]),
+//! 2-vCPU Xeon, three alternating runs of 40 calls: 21.6 / 15.9 / 17.0 ms a call in kernels
+//! against 29.3 / 25.9 / 26.8 ms with `KILN_KERNEL_HANDOFF=off`.
+//!
+//! [`FfiMode::All`]: super::FfiMode::All
 
+use crate::backend::xla::pjrt::handoff::HANDOFF;
 use parking_lot::{Mutex, MutexGuard};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -65,11 +71,16 @@ pub struct KernelStats {
     pub run_ns: u64,
     /// Nanoseconds spent waiting for the kernel lock.
     pub wait_ns: u64,
+    /// Calls that XLA's worker threads handed to the thread waiting for the results (see
+    /// the module docs).
+    pub handed_over: u64,
 }
 
 static CALLS: AtomicU64 = AtomicU64::new(0);
 static RUN_NS: AtomicU64 = AtomicU64::new(0);
 static WAIT_NS: AtomicU64 = AtomicU64::new(0);
+/// The handoff's count at the last [`reset_stats`].
+static HANDED_BASE: AtomicU64 = AtomicU64::new(0);
 
 /// The kernels' counters (for profiling: how much of an executable's time libtorch takes).
 pub fn stats() -> KernelStats {
@@ -77,6 +88,7 @@ pub fn stats() -> KernelStats {
         calls: CALLS.load(Ordering::Relaxed),
         run_ns: RUN_NS.load(Ordering::Relaxed),
         wait_ns: WAIT_NS.load(Ordering::Relaxed),
+        handed_over: HANDOFF.handed_over() - HANDED_BASE.load(Ordering::Relaxed),
     }
 }
 
@@ -85,6 +97,7 @@ pub fn reset_stats() {
     CALLS.store(0, Ordering::Relaxed);
     RUN_NS.store(0, Ordering::Relaxed);
     WAIT_NS.store(0, Ordering::Relaxed);
+    HANDED_BASE.store(HANDOFF.handed_over(), Ordering::Relaxed);
 }
 
 /// Held while one kernel runs: the kernel lock (when [`serialized`]) and the start time.

@@ -1,13 +1,16 @@
 //! Loading a PJRT plugin: `dlopen`, `GetPjrtApi`, version and function-table checks,
 //! `PJRT_Plugin_Initialize`; the error and event helpers every other call goes through.
 
+use std::ffi::c_void;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::handoff;
 use super::sys::{self, Args};
 use crate::error::{Error, Result};
 
@@ -145,6 +148,10 @@ fns!(
         // The plugin's optimized program (`LoadedExecutable::optimized_program`), for
         // inspection only.
         PJRT_Executable_OptimizedProgram,
+        // Waits that serve kernel jobs until an event is ready (`Event::wait`); without
+        // them, waits only await and the kernels run on XLA's worker threads.
+        PJRT_Event_IsReady,
+        PJRT_Event_OnReady,
     ],
 );
 
@@ -420,13 +427,84 @@ impl<'a> Event<'a> {
 
     /// Blocks until the event is ready; an error it carries is reported as a failure of
     /// `call`, the operation the event belongs to.
+    ///
+    /// Once kiln's FFI kernels are registered, the wait first serves the kernel jobs XLA's
+    /// worker threads hand over (see [`handoff`](super::handoff)) until the event is ready.
     pub(crate) fn wait(self, call: &'static str) -> Result<()> {
+        if handoff::enabled() {
+            self.serve_until_ready();
+        }
         let mut args = sys::PJRT_Event_Await_Args::new();
         args.event = self.raw.as_ptr();
         // SAFETY: `self.raw` is a live event owned by `self` (destroyed only in Drop).
         let err = unsafe { (self.api.fns.PJRT_Event_Await)(&mut args) };
         self.api.check(call, err)
     }
+}
+
+impl Event<'_> {
+    /// Runs handed-over kernel jobs on this thread until the event is ready. Returns at once
+    /// if it is ready already, or if the plugin cannot report readiness by callback (the
+    /// handlers then run their kernels themselves).
+    fn serve_until_ready(&self) {
+        let fns = &self.api.fns;
+        let (Some(is_ready), Some(on_ready)) = (fns.PJRT_Event_IsReady, fns.PJRT_Event_OnReady)
+        else {
+            return;
+        };
+        let mut args = sys::PJRT_Event_IsReady_Args::new();
+        args.event = self.raw.as_ptr();
+        // SAFETY: `self.raw` is a live event owned by `self`.
+        let err = unsafe { is_ready(&mut args) };
+        if !err.is_null() {
+            self.api.ignore_error("PJRT_Event_IsReady", err);
+            return;
+        }
+        if args.is_ready {
+            return;
+        }
+        let flag = Arc::new(ReadyFlag {
+            ready: AtomicBool::new(false),
+            destroy_error: fns.PJRT_Error_Destroy,
+        });
+        let user_arg = Arc::into_raw(flag.clone()).cast_mut().cast::<c_void>();
+        let mut args = sys::PJRT_Event_OnReady_Args::new();
+        args.event = self.raw.as_ptr();
+        args.callback = Some(on_ready_callback);
+        args.user_arg = user_arg;
+        // SAFETY: live event; the callback is a `'static` function; `user_arg` is one
+        // reference of `flag`, released by the callback (or below if registration fails).
+        let err = unsafe { on_ready(&mut args) };
+        if !err.is_null() {
+            self.api.ignore_error("PJRT_Event_OnReady", err);
+            // SAFETY: the callback was not registered, so this reference was not handed over.
+            drop(unsafe { Arc::from_raw(user_arg.cast::<ReadyFlag>()) });
+            return;
+        }
+        handoff::HANDOFF.serve_until(|| flag.ready.load(Ordering::Acquire));
+    }
+}
+
+/// What `on_ready_callback` sets, and how it frees the error it is given.
+struct ReadyFlag {
+    ready: AtomicBool,
+    destroy_error: sys::PJRT_Error_Destroy,
+}
+
+/// `PJRT_Event_OnReadyCallback` of [`Event::serve_until_ready`]: frees the event's error (the
+/// await that follows reports it), marks the flag and wakes the serving threads.
+unsafe extern "C" fn on_ready_callback(error: *mut sys::PJRT_Error, user_arg: *mut c_void) {
+    // SAFETY: `user_arg` is the `Arc<ReadyFlag>` reference handed over at registration; the
+    // plugin calls this exactly once.
+    let flag = unsafe { Arc::from_raw(user_arg.cast::<ReadyFlag>()) };
+    if !error.is_null() {
+        let mut args = sys::PJRT_Error_Destroy_Args::new();
+        args.error = error;
+        // SAFETY: the callback owns `error` and frees it once, here.
+        unsafe { (flag.destroy_error)(&mut args) };
+    }
+    flag.ready.store(true, Ordering::Release);
+    handoff::HANDOFF.notify();
 }
 
 impl Drop for Event<'_> {

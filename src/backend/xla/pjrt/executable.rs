@@ -184,7 +184,9 @@ impl LoadedExecutable {
         // SAFETY: live executable; `num_devices` argument lists of `num_args` live buffers of
         // this client each (borrowed for the call); `num_devices` output lists with room for
         // the executable's `num_outputs` buffers each; `options` outlives the call.
-        let err = unsafe { (api.fns.PJRT_LoadedExecutable_Execute)(&mut exec) };
+        let err = super::handoff::launching(|| unsafe {
+            (api.fns.PJRT_LoadedExecutable_Execute)(&mut exec)
+        });
         // Take ownership of whatever outputs were written before looking at the error.
         let mut result = Vec::with_capacity(outputs.len());
         let mut missing = 0;

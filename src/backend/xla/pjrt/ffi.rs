@@ -97,6 +97,10 @@ impl Api {
             });
         }
         let r = self.register_handler(K::TARGET, handler::<K>);
+        if r.is_ok() {
+            // Waits for results now run the kernels XLA's workers hand over.
+            super::handoff::enable();
+        }
         done.push((K::TARGET, r.as_ref().map(|_| ()).map_err(|e| e.to_string())));
         r
     }

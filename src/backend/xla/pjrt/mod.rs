@@ -56,6 +56,7 @@ mod client;
 mod executable;
 pub(crate) mod ffi;
 mod ffi_sys;
+pub(crate) mod handoff;
 mod sys;
 
 #[cfg(test)]

@@ -4,11 +4,11 @@
 //! Layouts are taken from the header of PJRT C API 0.81 (the `xla-cpu-pjrt` 0.0.1 plugin).
 //! Every args struct and every typed `PJRT_Api` slot has its offset and its `*_STRUCT_SIZE`
 //! checked at compile time against numbers printed by a C program compiled with gcc against
-//! that header (see the `layout` block at the end of this file). Two typed slots are not
-//! called: `PJRT_Event_IsReady` (measured: ~20 ns cheaper than awaiting an event that is
-//! already ready, but it cannot replace the await, which also yields the event's error) and
-//! `PJRT_Buffer_UnsafePointer` (the direct read uses `OpaqueDeviceMemoryDataPointer`,
-//! whose validity the header ties to the external reference count).
+//! that header (see the `layout` block at the end of this file). One typed slot is not
+//! called: `PJRT_Buffer_UnsafePointer` (the direct read uses `OpaqueDeviceMemoryDataPointer`,
+//! whose validity the header ties to the external reference count). `PJRT_Event_IsReady` and
+//! `PJRT_Event_OnReady` serve only the waits that run handed-over kernels (`handoff`); the
+//! await that follows still yields the event's error.
 //!
 //! Only the `PJRT_Api` slots up to the last one kiln may call
 //! (`PJRT_Buffer_OpaqueDeviceMemoryDataPointer`) are declared; the plugin's table may be longer
@@ -248,6 +248,15 @@ pjrt_struct! {
         pub extension_start: *mut PJRT_Extension_Base,
         pub event: *mut PJRT_Event,
         pub is_ready: bool,
+    }
+}
+
+pjrt_struct! {
+    pub struct PJRT_Event_OnReady_Args {
+        pub extension_start: *mut PJRT_Extension_Base,
+        pub event: *mut PJRT_Event,
+        pub callback: Option<PJRT_Event_OnReadyCallback>,
+        pub user_arg: *mut c_void,
     }
 }
 
@@ -643,6 +652,11 @@ pub type PJRT_Plugin_Initialize = Fn<PJRT_Plugin_Initialize_Args>;
 pub type PJRT_Event_Destroy = Fn<PJRT_Event_Destroy_Args>;
 pub type PJRT_Event_IsReady = Fn<PJRT_Event_IsReady_Args>;
 pub type PJRT_Event_Await = Fn<PJRT_Event_Await_Args>;
+/// Called once the event is ready, with its error (owned by the callback, which must destroy
+/// it) and the `user_arg` given to `PJRT_Event_OnReady`.
+pub type PJRT_Event_OnReadyCallback =
+    unsafe extern "C" fn(error: *mut PJRT_Error, user_arg: *mut c_void);
+pub type PJRT_Event_OnReady = Fn<PJRT_Event_OnReady_Args>;
 pub type PJRT_Client_Create = Fn<PJRT_Client_Create_Args>;
 pub type PJRT_Client_Destroy = Fn<PJRT_Client_Destroy_Args>;
 pub type PJRT_Client_PlatformName = Fn<PJRT_Client_PlatformName_Args>;
@@ -702,7 +716,7 @@ pub struct PJRT_Api {
     pub PJRT_Event_IsReady: Option<PJRT_Event_IsReady>,
     pub PJRT_Event_Error: Unused,
     pub PJRT_Event_Await: Option<PJRT_Event_Await>,
-    pub PJRT_Event_OnReady: Unused,
+    pub PJRT_Event_OnReady: Option<PJRT_Event_OnReady>,
     pub PJRT_Client_Create: Option<PJRT_Client_Create>,
     pub PJRT_Client_Destroy: Option<PJRT_Client_Destroy>,
     pub PJRT_Client_PlatformName: Option<PJRT_Client_PlatformName>,
@@ -829,6 +843,7 @@ mod layout {
     layout!(PJRT_Event_Destroy_Args, 24; struct_size 0 extension_start 8 event 16);
     layout!(PJRT_Event_Await_Args, 24; struct_size 0 extension_start 8 event 16);
     layout!(PJRT_Event_IsReady_Args, 25; struct_size 0 extension_start 8 event 16 is_ready 24);
+    layout!(PJRT_Event_OnReady_Args, 40; struct_size 0 extension_start 8 event 16 callback 24 user_arg 32);
     layout!(PJRT_Buffer_MemoryLayout_Tiled, 56; struct_size 0 extension_start 8 minor_to_major 16 minor_to_major_size 24 tile_dims 32 tile_dim_sizes 40 num_tiles 48);
     layout!(PJRT_Buffer_MemoryLayout_Strides, 32; struct_size 0 extension_start 8 byte_strides 16 num_byte_strides 24);
     layout!(PJRT_Buffer_MemoryLayout, 76; struct_size 0 extension_start 8 u 16 type_ 72);
@@ -864,7 +879,7 @@ mod layout {
     layout!(PJRT_Buffer_IncreaseExternalReferenceCount_Args, 24; struct_size 0 extension_start 8 buffer 16);
     layout!(PJRT_Buffer_DecreaseExternalReferenceCount_Args, 24; struct_size 0 extension_start 8 buffer 16);
     layout!(PJRT_Buffer_OpaqueDeviceMemoryDataPointer_Args, 32; struct_size 0 extension_start 8 buffer 16 device_memory_ptr 24);
-    api_layout!(984; pjrt_api_version 16 PJRT_Error_Destroy 40 PJRT_Error_Message 48 PJRT_Error_GetCode 56 PJRT_Plugin_Initialize 64 PJRT_Event_Destroy 80 PJRT_Event_IsReady 88 PJRT_Event_Await 104 PJRT_Client_Create 120 PJRT_Client_Destroy 128 PJRT_Client_PlatformName 136 PJRT_Client_PlatformVersion 152 PJRT_Client_AddressableDevices 168 PJRT_Client_Compile 200 PJRT_Client_BufferFromHostBuffer 216 PJRT_DeviceDescription_Id 224 PJRT_Device_GetDescription 272 PJRT_Executable_Destroy 360 PJRT_Executable_NumOutputs 392 PJRT_Executable_OptimizedProgram 424 PJRT_Executable_Serialize 432 PJRT_LoadedExecutable_Destroy 440 PJRT_LoadedExecutable_GetExecutable 448 PJRT_LoadedExecutable_Execute 480 PJRT_Executable_DeserializeAndLoad 488 PJRT_Buffer_Destroy 504 PJRT_Buffer_ElementType 512 PJRT_Buffer_Dimensions 520 PJRT_Buffer_GetMemoryLayout 544 PJRT_Buffer_OnDeviceSizeInBytes 552 PJRT_Buffer_IsDeleted 584 PJRT_Buffer_ToHostBuffer 600 PJRT_Buffer_ReadyEvent 616 PJRT_Buffer_UnsafePointer 624 PJRT_Buffer_IncreaseExternalReferenceCount 632 PJRT_Buffer_DecreaseExternalReferenceCount 640 PJRT_Buffer_OpaqueDeviceMemoryDataPointer 648);
+    api_layout!(984; pjrt_api_version 16 PJRT_Error_Destroy 40 PJRT_Error_Message 48 PJRT_Error_GetCode 56 PJRT_Plugin_Initialize 64 PJRT_Event_Destroy 80 PJRT_Event_IsReady 88 PJRT_Event_Await 104 PJRT_Event_OnReady 112 PJRT_Client_Create 120 PJRT_Client_Destroy 128 PJRT_Client_PlatformName 136 PJRT_Client_PlatformVersion 152 PJRT_Client_AddressableDevices 168 PJRT_Client_Compile 200 PJRT_Client_BufferFromHostBuffer 216 PJRT_DeviceDescription_Id 224 PJRT_Device_GetDescription 272 PJRT_Executable_Destroy 360 PJRT_Executable_NumOutputs 392 PJRT_Executable_OptimizedProgram 424 PJRT_Executable_Serialize 432 PJRT_LoadedExecutable_Destroy 440 PJRT_LoadedExecutable_GetExecutable 448 PJRT_LoadedExecutable_Execute 480 PJRT_Executable_DeserializeAndLoad 488 PJRT_Buffer_Destroy 504 PJRT_Buffer_ElementType 512 PJRT_Buffer_Dimensions 520 PJRT_Buffer_GetMemoryLayout 544 PJRT_Buffer_OnDeviceSizeInBytes 552 PJRT_Buffer_IsDeleted 584 PJRT_Buffer_ToHostBuffer 600 PJRT_Buffer_ReadyEvent 616 PJRT_Buffer_UnsafePointer 624 PJRT_Buffer_IncreaseExternalReferenceCount 632 PJRT_Buffer_DecreaseExternalReferenceCount 640 PJRT_Buffer_OpaqueDeviceMemoryDataPointer 648);
     // End of `PJRT_Buffer_ReadyEvent`, the last required slot, and of
     // `PJRT_Buffer_OpaqueDeviceMemoryDataPointer`, the last slot declared here.
     const _: () = assert!(API_NEEDED_SIZE == 624);

@@ -1,0 +1,321 @@
+//! Kernel work handed from XLA's worker threads to the thread waiting for the results.
+//!
+//! Why: kiln's FFI kernels call libtorch, whose OpenMP parallel regions start a thread team
+//! per calling thread. Called from XLA's worker threads, each worker gets its own team, and
+//! once libgomp manages more threads than there are CPUs it throttles every team's spinning
+//! (about 100 spins instead of ~3 ms before sleeping): each parallel region then pays futex
+//! wake-ups, inside the executable and in eager libtorch on the user's thread alike
+//! (`examples/eager_interference.rs`). A thread that waits for an execution's results
+//! ([`super::api::Event::wait`]) is idle anyway, and it already owns a team (the one eager
+//! libtorch uses), so kernels run there: no extra teams, no throttling.
+//!
+//! How: while a thread waits for an event it *serves* ([`serve_until`]): it runs the jobs
+//! that handlers queue ([`run`]) until the event's ready callback fires. A handler hands its
+//! job over only if some thread is serving at that moment, and blocks until that thread ran
+//! it; otherwise (the program runs on the caller's thread inside `Execute`, or nobody waits)
+//! it runs the job itself. A serving thread leaves only with the queue empty, checked under
+//! the same lock, so no job is stranded.
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use std::any::Any;
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::ffi::c_int;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::{self, Thread};
+
+/// One handed-over job: a closure on the handing thread's stack, and how its end is reported.
+struct Job {
+    /// The closure, its lifetime erased (see [`run`]).
+    task: NonNull<dyn FnMut() + 'static>,
+    /// A panic of the closure, re-raised on the handing thread.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
+    /// Set (release) once the closure has returned; the job may be freed right after.
+    done: AtomicBool,
+    /// The handing thread, unparked when `done` is set.
+    waiter: Thread,
+}
+
+/// A queued job (a pointer to a [`Job`] on a blocked handler's stack).
+struct JobRef(NonNull<Job>);
+
+// SAFETY: the `Job` behind a `JobRef` stays alive and untouched by its owner (which is
+// blocked in `run`) until `done` is set, and exactly one serving thread takes it from the
+// queue and runs it; so moving the reference to that thread is sound.
+unsafe impl Send for JobRef {}
+
+struct Queue {
+    /// Threads inside [`Handoff::serve_until`].
+    serving: usize,
+    jobs: VecDeque<JobRef>,
+}
+
+/// A queue of handed-over jobs and the threads serving it ([`HANDOFF`] is the process's).
+pub(crate) struct Handoff {
+    queue: Mutex<Queue>,
+    /// Signalled when a job is queued or a served event becomes ready.
+    wake: Condvar,
+    /// Jobs run by a thread other than the one that queued them (for tests and profiles).
+    handed: AtomicU64,
+}
+
+/// The process's handoff, served by waits on PJRT events once [`enable`] was called.
+pub(crate) static HANDOFF: Handoff = Handoff::new();
+
+/// Whether waits serve at all (only once FFI kernels are registered: without them a plain
+/// await is the same and one call cheaper).
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// Turns serving on for this process (done when kernels are registered with a plugin),
+/// unless the environment says `KILN_KERNEL_HANDOFF=off` (kernels then run on XLA's worker
+/// threads, as before this module existed: for comparisons).
+pub(crate) fn enable() {
+    let off = std::env::var("KILN_KERNEL_HANDOFF").is_ok_and(|v| v == "off" || v == "0");
+    ENABLED.store(!off, Ordering::Relaxed);
+}
+
+/// Whether waits on events serve kernel jobs (see [`enable`]).
+pub(crate) fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+impl Handoff {
+    pub(crate) const fn new() -> Handoff {
+        Handoff {
+            queue: Mutex::new(Queue {
+                serving: 0,
+                jobs: VecDeque::new(),
+            }),
+            wake: Condvar::new(),
+            handed: AtomicU64::new(0),
+        }
+    }
+
+    /// Jobs handed to a serving thread so far.
+    pub(crate) fn handed_over(&self) -> u64 {
+        self.handed.load(Ordering::Relaxed)
+    }
+
+    /// Runs `f` on a thread that is waiting in [`Handoff::serve_until`] if there is one, else
+    /// on this thread; returns its result either way (a panic of `f` resumes here).
+    ///
+    /// On the thread that launched the execution (inside `PJRT_LoadedExecutable_Execute`,
+    /// which runs small programs in place) `f` runs at once, with that thread's own libtorch
+    /// threads. On another thread (one of XLA's workers) with nobody serving, `f` runs there
+    /// with libtorch confined to that one thread ([`serial_libtorch_here`]), so that no
+    /// OpenMP team is started for it.
+    pub(crate) fn run<R>(&self, f: impl FnOnce() -> R) -> R {
+        if LAUNCHING.get() || !enabled() {
+            return f();
+        }
+        let mut queue = self.queue.lock();
+        if queue.serving == 0 {
+            drop(queue);
+            serial_libtorch_here();
+            return f();
+        }
+        let mut f = Some(f);
+        let mut out = None;
+        let mut call = || {
+            if let Some(f) = f.take() {
+                out = Some(f());
+            }
+        };
+        let task: NonNull<dyn FnMut() + '_> = NonNull::from(&mut call);
+        // SAFETY: only the lifetime is changed. The closure is called at most once, by the
+        // serving thread, before it sets `job.done`; this function does not return before
+        // `done` is set, so everything the closure borrows outlives that call, and nothing
+        // else touches the closure meanwhile (this thread is parked).
+        let task: NonNull<dyn FnMut() + 'static> = unsafe { std::mem::transmute(task) };
+        let job = Job {
+            task,
+            panic: Mutex::new(None),
+            done: AtomicBool::new(false),
+            waiter: thread::current(),
+        };
+        queue.jobs.push_back(JobRef(NonNull::from(&job)));
+        drop(queue);
+        self.wake.notify_all();
+        while !job.done.load(Ordering::Acquire) {
+            thread::park();
+        }
+        if let Some(p) = job.panic.lock().take() {
+            resume_unwind(p);
+        }
+        self.handed.fetch_add(1, Ordering::Relaxed);
+        match out {
+            Some(r) => r,
+            // `done` without a panic means the closure ran and wrote `out`.
+            None => resume_unwind(Box::new("kiln: a handed-over kernel job did not run")),
+        }
+    }
+
+    /// Serves queued jobs on this thread until `ready()` holds (checked under the queue's
+    /// lock; whoever makes it true must call [`Handoff::notify`] afterwards).
+    pub(crate) fn serve_until(&self, ready: impl Fn() -> bool) {
+        let mut queue = self.queue.lock();
+        queue.serving += 1;
+        loop {
+            if let Some(job) = queue.jobs.pop_front() {
+                MutexGuard::unlocked(&mut queue, || execute(job));
+                continue;
+            }
+            if ready() {
+                break;
+            }
+            self.wake.wait(&mut queue);
+        }
+        queue.serving -= 1;
+    }
+
+    /// Wakes the serving threads to re-check their `ready` condition.
+    pub(crate) fn notify(&self) {
+        // Taking the lock orders this after a waiter's check-then-wait: no lost wake-up.
+        drop(self.queue.lock());
+        self.wake.notify_all();
+    }
+
+    #[cfg(test)]
+    fn serving(&self) -> usize {
+        self.queue.lock().serving
+    }
+}
+
+thread_local! {
+    /// Whether this thread is inside [`launching`].
+    static LAUNCHING: Cell<bool> = const { Cell::new(false) };
+    /// Whether [`serial_libtorch_here`] already ran on this thread.
+    static SERIAL: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` (a `PJRT_LoadedExecutable_Execute` call) with this thread marked as the one
+/// launching executions: kernels XLA runs in place during the call run directly.
+pub(crate) fn launching<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            LAUNCHING.set(self.0);
+        }
+    }
+    let _reset = Reset(LAUNCHING.replace(true));
+    f()
+}
+
+/// Confines libtorch on this thread to one thread, once per thread: OpenMP's thread count
+/// for parallel regions started here (`omp_set_num_threads`, a per-thread setting) and MKL's
+/// (`MKL_Set_Num_Threads_Local`). libtorch first initialises a thread's count lazily on its
+/// first parallel region, which would override the setting; asking for the count
+/// (`at::get_num_threads`) does that initialisation first. Either function may be missing
+/// (a libtorch without OpenMP or MKL); then nothing is set for it.
+fn serial_libtorch_here() {
+    if SERIAL.replace(true) {
+        return;
+    }
+    let _ = tch::get_num_threads();
+    let this = libloading::os::unix::Library::this();
+    // SAFETY: both symbols, if present, are the C functions of libgomp and MKL with these
+    // signatures (`void omp_set_num_threads(int)`, `int MKL_Set_Num_Threads_Local(int)`:
+    // the C-style name; the lower-case `mkl_set_num_threads_local` is MKL's Fortran entry,
+    // which takes a pointer); they only change the calling thread's settings.
+    unsafe {
+        if let Ok(f) = this.get::<unsafe extern "C" fn(c_int)>(b"omp_set_num_threads\0") {
+            f(1);
+        }
+        if let Ok(f) =
+            this.get::<unsafe extern "C" fn(c_int) -> c_int>(b"MKL_Set_Num_Threads_Local\0")
+        {
+            f(1);
+        }
+    }
+}
+
+/// Runs one queued job and reports its end to the thread that queued it.
+fn execute(job: JobRef) {
+    // SAFETY: see `JobRef`: the job is alive until `done` is set below, and this thread is
+    // the only one running it.
+    let job = unsafe { job.0.as_ref() };
+    // SAFETY: the task pointer is valid until `done` is set (see `run`), and it is called
+    // from this thread only.
+    let r = catch_unwind(AssertUnwindSafe(|| unsafe { (*job.task.as_ptr())() }));
+    if let Err(p) = r {
+        *job.panic.lock() = Some(p);
+    }
+    let waiter = job.waiter.clone();
+    // After this store the job may be freed: only the cloned handle is used below.
+    job.done.store(true, Ordering::Release);
+    waiter.unpark();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// A handoff with one thread serving it until the returned flag is set.
+    fn served() -> (
+        Arc<Handoff>,
+        Arc<AtomicBool>,
+        thread::JoinHandle<thread::ThreadId>,
+    ) {
+        let h = Arc::new(Handoff::new());
+        let ready = Arc::new(AtomicBool::new(false));
+        let (h2, r) = (h.clone(), ready.clone());
+        let server = thread::spawn(move || {
+            h2.serve_until(|| r.load(Ordering::Relaxed));
+            thread::current().id()
+        });
+        while h.serving() == 0 {
+            thread::sleep(Duration::from_millis(1));
+        }
+        (h, ready, server)
+    }
+
+    #[test]
+    fn without_a_serving_thread_jobs_run_in_place() {
+        let h = Handoff::new();
+        let me = thread::current().id();
+        assert_eq!(h.run(|| thread::current().id()), me);
+        assert_eq!(h.handed_over(), 0);
+    }
+
+    #[test]
+    fn jobs_run_on_the_serving_thread_and_return_their_results() {
+        let (h, ready, server) = served();
+        let workers: Vec<_> = (0..4)
+            .map(|i| {
+                let h = h.clone();
+                thread::spawn(move || {
+                    // The job borrows from this thread's stack.
+                    let local = [1.5f64, 2.5, i as f64];
+                    h.run(|| (thread::current().id(), local.iter().sum::<f64>()))
+                })
+            })
+            .collect();
+        let results: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+        ready.store(true, Ordering::Relaxed);
+        h.notify();
+        let server_id = server.join().unwrap();
+        for (i, (id, v)) in results.iter().enumerate() {
+            assert_eq!(*id, server_id);
+            assert_eq!(*v, 4.0 + i as f64);
+        }
+        assert_eq!(h.handed_over(), 4);
+    }
+
+    #[test]
+    fn a_panicking_job_resumes_on_the_handing_thread() {
+        let (h, ready, server) = served();
+        let h2 = h.clone();
+        let worker =
+            thread::spawn(move || catch_unwind(AssertUnwindSafe(|| h2.run(|| panic!("boom")))));
+        let err = worker.join().unwrap().unwrap_err();
+        assert_eq!(err.downcast_ref::<&str>(), Some(&"boom"));
+        ready.store(true, Ordering::Relaxed);
+        h.notify();
+        server.join().unwrap();
+        assert_eq!(h.serving(), 0);
+    }
+}

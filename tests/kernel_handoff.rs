@@ -1,0 +1,87 @@
+//! kiln's libtorch kernels run on the thread that waits for an execution's results, not on
+//! XLA's worker threads (see `kiln::backend::xla::kernels`' thread notes). A test binary of
+//! its own: the handoff counter is process-wide, and no other test may add to it here.
+
+mod common;
+
+use common::{floats, run, xla, SplitMix64};
+use kiln::backend::eager::EagerBackend;
+use kiln::backend::xla::kernels::{self, CONV_TARGET};
+use kiln::backend::xla::{FfiMode, XlaOptions};
+use kiln::backend::{Backend, HostTensor};
+use kiln::ir::{BinaryOp, ConvAttrs, DType, Graph, InputKind, Op, TensorType, UnaryOp};
+
+/// A chain of 3×3 convolutions, each followed by `y · tanh(y)` in XLA: enough XLA work for
+/// its CPU runtime to run the program on its worker threads rather than inside `Execute`
+/// (with `tanh` alone it runs inside).
+fn conv_chain(dtype: DType) -> (Graph, Vec<TensorType>) {
+    let xt = TensorType::new(dtype, [4, 32, 32, 32]);
+    let kt = TensorType::new(dtype, [32, 32, 3, 3]);
+    let mut c = ConvAttrs::plain(2);
+    c.padding = vec![(1, 1), (1, 1)];
+    let mut g = Graph::new();
+    let mut h = g.add_input(InputKind::Data, "x", xt.clone());
+    let mut types = vec![xt];
+    for i in 0..4 {
+        let k = g.add_input(InputKind::Parameter, format!("k{i}"), kt.clone());
+        types.push(kt.clone());
+        let y = g.add(Op::Conv(c.clone()), &[h, k]).unwrap();
+        let t = g.add(Op::Unary(UnaryOp::Tanh), &[y]).unwrap();
+        h = g.add(Op::Binary(BinaryOp::Mul), &[t, y]).unwrap();
+    }
+    g.set_outputs(vec![h]).unwrap();
+    (g, types)
+}
+
+#[test]
+fn kernels_run_on_the_waiting_thread_and_match_a_float64_reference() {
+    let b = xla().with_options(XlaOptions::plain().ffi(FfiMode::All));
+    assert_eq!(b.ffi_status(), Ok(()), "the CPU plugin runs kiln's kernels");
+    let (g, types) = conv_chain(DType::F32);
+    assert!(b.lower(&g).unwrap().contains(CONV_TARGET));
+    let mut r = SplitMix64::mixed(7);
+    let ins: Vec<HostTensor> = types
+        .iter()
+        .map(|t| floats(t.shape.dims(), t.dtype, || (r.uniform() * 2.0 - 1.0) * 0.2))
+        .collect();
+    let (g64, _) = conv_chain(DType::F64);
+    let ins64: Vec<HostTensor> = ins
+        .iter()
+        .map(|h| HostTensor::from_slice(h.ty().shape.dims(), &h.to_f64_vec()).unwrap())
+        .collect();
+    let want = run(&EagerBackend::new(), &g64, &ins64)[0].to_f64_vec();
+    let scale = want.iter().fold(0.0f64, |m, w| m.max(w.abs()));
+    assert!(scale > 1e-3, "the reference is not near zero ({scale})");
+
+    let before = kernels::stats();
+    let exe = b.compile(&g).unwrap();
+    let bufs: Vec<_> = ins.iter().map(|h| b.to_device(h).unwrap()).collect();
+    let refs: Vec<_> = bufs.iter().collect();
+    for _ in 0..5 {
+        let out = b.execute(&exe, &refs).unwrap();
+        let got = b.to_host(&out[0]).unwrap().to_f64_vec();
+        let err = got
+            .iter()
+            .zip(&want)
+            .fold(0.0f64, |m, (a, w)| m.max((a - w).abs()));
+        // Four float32 3×3×32 sums in a row: a few float32 ulps of the largest value.
+        assert!(
+            err <= 1e-5 * scale,
+            "float32 result differs from float64 by {err} (largest value {scale})"
+        );
+    }
+    let after = kernels::stats();
+    let calls = after.calls - before.calls;
+    let handed = after.handed_over - before.handed_over;
+    assert!(
+        calls >= 20,
+        "{calls} kernel calls for 5 runs of 4 convolutions"
+    );
+    // The first kernel of a run may start before the caller waits; the others are handed
+    // over (a plugin that ran this program inside `Execute` would hand none: then this
+    // graph needs more XLA work to test anything).
+    assert!(
+        handed * 2 >= calls,
+        "{handed} of {calls} kernel calls ran on the waiting thread"
+    );
+}
