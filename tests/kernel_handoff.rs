@@ -1,6 +1,7 @@
 //! kiln's libtorch kernels run on the thread that waits for an execution's results, not on
 //! XLA's worker threads (see `kiln::backend::xla::kernels`' thread notes). A test binary of
-//! its own: the handoff counter is process-wide, and no other test may add to it here.
+//! its own: the kernel counters are process-wide, so its tests take [`SERIAL`] to count only
+//! their own calls.
 
 mod common;
 
@@ -10,6 +11,14 @@ use kiln::backend::xla::kernels::{self, CONV_TARGET};
 use kiln::backend::xla::{FfiMode, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{BinaryOp, ConvAttrs, DType, Graph, InputKind, Op, TensorType, UnaryOp};
+use kiln::optim::Sgd;
+use kiln::train::{TrainMode, TrainStep};
+use kiln::zoo::{self, Model, SharedModel};
+use kiln::Tensor;
+use std::sync::Mutex;
+
+/// Held by each test while it counts kernel calls.
+static SERIAL: Mutex<()> = Mutex::new(());
 
 /// A chain of 3×3 convolutions, each followed by `y · tanh(y)` in XLA: enough XLA work for
 /// its CPU runtime to run the program on its worker threads rather than inside `Execute`
@@ -35,6 +44,7 @@ fn conv_chain(dtype: DType) -> (Graph, Vec<TensorType>) {
 
 #[test]
 fn kernels_run_on_the_waiting_thread_and_match_a_float64_reference() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let b = xla().with_options(XlaOptions::plain().ffi(FfiMode::All));
     assert_eq!(b.ffi_status(), Ok(()), "the CPU plugin runs kiln's kernels");
     let (g, types) = conv_chain(DType::F32);
@@ -83,5 +93,46 @@ fn kernels_run_on_the_waiting_thread_and_match_a_float64_reference() {
     assert!(
         handed * 2 >= calls,
         "{handed} of {calls} kernel calls ran on the waiting thread"
+    );
+}
+
+/// A training step replaces its parameters with the updated ones while the step may still
+/// run; destroying the replaced buffers blocks in the plugin until it is done, and a thread
+/// blocked there cannot serve the step's kernels (they used to run on XLA's workers then).
+#[test]
+fn a_training_steps_kernels_are_handed_over() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let b = xla().with_options(XlaOptions::default().ffi(FfiMode::All));
+    let model = SharedModel::new(zoo::build("squeezenet1_1", 0).unwrap());
+    let inputs = model.example_inputs(2, 1).unwrap();
+    let m = model.clone();
+    let mut step = TrainStep::new(
+        b,
+        model.store(),
+        Sgd::new().momentum(0.9),
+        move |xs: &[Tensor]| {
+            let out = m.forward(xs, true)?;
+            m.loss(&out, xs)
+        },
+    )
+    .unwrap()
+    .with_mode(TrainMode::Fused)
+    .with_lr(1e-3);
+    step.step(&inputs).unwrap();
+    let before = kernels::stats();
+    for _ in 0..3 {
+        let loss = step.step(&inputs).unwrap();
+        assert!(loss.is_finite());
+        step.synchronize().unwrap();
+    }
+    let after = kernels::stats();
+    let (calls, handed) = (
+        after.calls - before.calls,
+        after.handed_over - before.handed_over,
+    );
+    assert!(calls > 0);
+    assert!(
+        handed * 2 >= calls,
+        "{handed} of {calls} kernel calls of training steps ran on the waiting thread"
     );
 }

@@ -4,7 +4,7 @@
 use super::{torch_lock, ConvForm, CONV_TARGET};
 use crate::backend::eager::batch_groups_to_channels;
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
-use crate::backend::xla::pjrt::handoff::HANDOFF;
+use crate::backend::xla::pjrt::handoff;
 use crate::error::{Error, Result};
 use crate::ir::{ConvAttrs, TensorType};
 use tch::Tensor;
@@ -70,7 +70,7 @@ impl FfiKernel for ConvKernel {
                 xb.dims, kb.dims, ob.dims
             )));
         }
-        HANDOFF.run(|| {
+        handoff::run_kernel(|| {
             let _guard = torch_lock();
             let (x, k, out) = (xb.tensor()?, kb.tensor()?, ob.tensor()?);
             match form {

@@ -3,7 +3,7 @@
 
 use super::{torch_lock, DOT_TARGET};
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
-use crate::backend::xla::pjrt::handoff::HANDOFF;
+use crate::backend::xla::pjrt::handoff;
 use crate::error::{Error, Result};
 use crate::ir::{DType, DotDims};
 use std::cell::RefCell;
@@ -42,7 +42,7 @@ impl FfiKernel for DotKernel {
                 ),
             };
         }
-        HANDOFF.run(|| {
+        handoff::run_kernel(|| {
             let _guard = torch_lock();
             let (a, b, out) = (ab.tensor()?, bb.tensor()?, ob.tensor()?);
             plan.run_into(&a, &b, &out)

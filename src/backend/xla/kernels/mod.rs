@@ -55,8 +55,8 @@ pub use mlir::{
     conv_call_attrs, conv_call_attrs_form, conv_call_mlir, dot_call_attrs, dot_call_mlir,
 };
 pub use threads::{
-    reset_stats, serialized, set_serialized, set_threads, stats, threads, torch_lock, KernelGuard,
-    KernelStats,
+    handoff, reset_stats, serialized, set_handoff, set_serialized, set_threads, stats, threads,
+    torch_lock, KernelGuard, KernelStats,
 };
 
 pub(crate) use conv::ConvKernel;

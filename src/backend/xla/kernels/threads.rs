@@ -22,7 +22,7 @@
 //!
 //! [`FfiMode::All`]: super::FfiMode::All
 
-use crate::backend::xla::pjrt::handoff::HANDOFF;
+use crate::backend::xla::pjrt::handoff::{self, HANDOFF};
 use parking_lot::{Mutex, MutexGuard};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -50,6 +50,20 @@ pub fn threads() -> Option<usize> {
         0 => None,
         n => Some(n),
     }
+}
+
+/// Whether XLA's worker threads hand kernel calls to the thread waiting for the execution's
+/// results (default `true`, or `false` if the environment says `KILN_KERNEL_HANDOFF=off`;
+/// see the module notes). `false` runs each kernel on the worker XLA called it from, with
+/// libtorch's threads: for comparisons.
+pub fn set_handoff(on: bool) {
+    handoff::set_wanted(on);
+}
+
+/// Whether kernel calls are handed over (see [`set_handoff`]); `false` also while no
+/// kernels are registered with a plugin.
+pub fn handoff() -> bool {
+    handoff::enabled()
 }
 
 /// Whether kernels run one at a time (default `true`; see [`torch_lock`]).

@@ -3,12 +3,13 @@
 use std::fmt;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, OnceLock};
 
 use parking_lot::Mutex;
 
 use super::api::{Event, Fns};
 use super::client::{host_byte_size, ClientInner};
+use super::handoff;
 use super::sys::{self, Args};
 use crate::error::{Error, Result};
 
@@ -124,8 +125,9 @@ static LIVE_BUFFERS: AtomicUsize = AtomicUsize::new(0);
 
 /// The number of PJRT buffers kiln owns right now, in the whole process (every client, every
 /// thread): incremented when PJRT hands kiln a buffer (an upload or an execution's output),
-/// decremented when the [`Buffer`] is dropped (`PJRT_Buffer_Destroy`). Donated buffers count
-/// until their wrapper is dropped.
+/// decremented when the [`Buffer`] is dropped (`PJRT_Buffer_Destroy` follows at once, or,
+/// once kiln's kernels are registered, on a thread of its own). Donated buffers count until
+/// their wrapper is dropped.
 ///
 /// For leak checks: a loop that replays a compiled function or a training step must leave this
 /// count where it was once its results are dropped.
@@ -592,15 +594,57 @@ impl Drop for ExternalReference<'_> {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        LIVE_BUFFERS.fetch_sub(1, Ordering::Relaxed);
+        let dying = Dying {
+            client: self.client.clone(),
+            raw: self.raw,
+        };
+        // Destroying a buffer that a running execution still uses blocks until that
+        // execution is done, and a thread blocked in the plugin cannot run the kernel jobs
+        // XLA's workers hand over (see `handoff`): a training step's replaced parameters
+        // would then make its kernels run on the workers. With kernels registered, buffers
+        // are destroyed on a thread of their own instead.
+        if handoff::enabled() {
+            if let Some(tx) = RELEASER.get_or_init(spawn_releaser) {
+                // A failed send hands the buffer back, and dropping it destroys it here.
+                let _ = tx.send(dying);
+            }
+        }
+    }
+}
+
+/// A buffer on its way to `PJRT_Buffer_Destroy` (on drop).
+struct Dying {
+    client: Arc<ClientInner>,
+    raw: NonNull<sys::PJRT_Buffer>,
+}
+
+// SAFETY: as for `Buffer`: a `PJRT_Buffer` may be destroyed from any thread.
+unsafe impl Send for Dying {}
+
+impl Drop for Dying {
+    fn drop(&mut self) {
         let api = self.client.api();
         let mut args = sys::PJRT_Buffer_Destroy_Args::new();
-        args.buffer = self.raw();
-        // SAFETY: the buffer is owned by this wrapper and destroyed exactly once, here; the
-        // client it belongs to is kept alive by `self.client` until after this call.
+        args.buffer = self.raw.as_ptr();
+        // SAFETY: the buffer's only owner (its `Buffer` was dropped and handed it over) destroys
+        // it exactly once, here; `self.client` keeps its client alive until after this call.
         let err = unsafe { (api.fns.PJRT_Buffer_Destroy)(&mut args) };
         api.ignore_error("PJRT_Buffer_Destroy", err);
-        LIVE_BUFFERS.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// The channel to the thread that destroys dropped buffers (`None`: it could not be started;
+/// buffers are then destroyed where they are dropped).
+static RELEASER: OnceLock<Option<mpsc::Sender<Dying>>> = OnceLock::new();
+
+fn spawn_releaser() -> Option<mpsc::Sender<Dying>> {
+    let (tx, rx) = mpsc::channel::<Dying>();
+    std::thread::Builder::new()
+        .name("kiln-buffer-release".into())
+        .spawn(move || rx.into_iter().for_each(drop))
+        .ok()
+        .map(|_| tx)
 }
 
 impl fmt::Debug for Buffer {

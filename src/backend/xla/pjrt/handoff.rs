@@ -24,6 +24,7 @@ use std::ffi::c_int;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::thread::{self, Thread};
 
 /// One handed-over job: a closure on the handing thread's stack, and how its end is reported.
@@ -64,21 +65,44 @@ pub(crate) struct Handoff {
 /// The process's handoff, served by waits on PJRT events once [`enable`] was called.
 pub(crate) static HANDOFF: Handoff = Handoff::new();
 
-/// Whether waits serve at all (only once FFI kernels are registered: without them a plain
-/// await is the same and one call cheaper).
-static ENABLED: AtomicBool = AtomicBool::new(false);
+/// Whether kiln's kernels are registered with a plugin (waits serve only then: without
+/// them a plain await is the same and one call cheaper).
+static REGISTERED: AtomicBool = AtomicBool::new(false);
 
-/// Turns serving on for this process (done when kernels are registered with a plugin),
-/// unless the environment says `KILN_KERNEL_HANDOFF=off` (kernels then run on XLA's worker
-/// threads, as before this module existed: for comparisons).
-pub(crate) fn enable() {
-    let off = std::env::var("KILN_KERNEL_HANDOFF").is_ok_and(|v| v == "off" || v == "0");
-    ENABLED.store(!off, Ordering::Relaxed);
+/// Whether handing over is wanted ([`set_wanted`]; initially on unless the environment says
+/// `KILN_KERNEL_HANDOFF=off`).
+static WANTED: OnceLock<AtomicBool> = OnceLock::new();
+
+fn wanted() -> &'static AtomicBool {
+    WANTED.get_or_init(|| {
+        let off = std::env::var("KILN_KERNEL_HANDOFF").is_ok_and(|v| v == "off" || v == "0");
+        AtomicBool::new(!off)
+    })
 }
 
-/// Whether waits on events serve kernel jobs (see [`enable`]).
+/// Notes that kernels are registered with a plugin: waits now serve (if wanted).
+pub(crate) fn enable() {
+    REGISTERED.store(true, Ordering::Relaxed);
+}
+
+/// Turns handing over on or off for the process (off: kernels run on XLA's worker threads,
+/// each with libtorch's default threads, as before handing over existed; for comparisons).
+pub(crate) fn set_wanted(on: bool) {
+    wanted().store(on, Ordering::Relaxed);
+}
+
+/// Whether kernel jobs are handed to waiting threads (kernels registered, and wanted).
 pub(crate) fn enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed)
+    REGISTERED.load(Ordering::Relaxed) && wanted().load(Ordering::Relaxed)
+}
+
+/// Runs a kernel job: through [`HANDOFF`] when handing over is [`enabled`], else right here.
+pub(crate) fn run_kernel<R>(f: impl FnOnce() -> R) -> R {
+    if enabled() {
+        HANDOFF.run(f)
+    } else {
+        f()
+    }
 }
 
 impl Handoff {
@@ -107,7 +131,7 @@ impl Handoff {
     /// with libtorch confined to that one thread ([`serial_libtorch_here`]), so that no
     /// OpenMP team is started for it.
     pub(crate) fn run<R>(&self, f: impl FnOnce() -> R) -> R {
-        if LAUNCHING.get() || !enabled() {
+        if LAUNCHING.get() {
             return f();
         }
         let mut queue = self.queue.lock();
