@@ -98,7 +98,7 @@ impl FfiMode {
     pub fn key(&self) -> &'static str {
         match self {
             FfiMode::Off => "off",
-            FfiMode::Auto => "auto4",
+            FfiMode::Auto => "auto5",
             FfiMode::All => "all1",
         }
     }
@@ -129,15 +129,14 @@ impl FfiMode {
     /// grouped or depthwise convolution, and for every other one of at least
     /// [`AUTO_MIN_CONV_FLOPS`]. In a graph ([`FfiSelect::picks`]) an ungrouped one must also
     /// be a gradient convolution (input or weight gradient of autograd) or a forward one of at
-    /// least [`AUTO_MIN_FORWARD_CONV_FLOPS`]: smaller forward ones stay in XLA (measured after
-    /// the table below: resnet18 inference 13.3 ms instead of 15.3 ms, mobilenet_v2 11.0 ms
-    /// instead of 14.4 ms, training unchanged within noise).
+    /// least [`AUTO_MIN_FORWARD_SPATIAL_CONV_FLOPS`] (windows larger than 1×1) or
+    /// [`AUTO_MIN_FORWARD_CONV_FLOPS`] (1×1): smaller forward ones stay in XLA.
     ///
     /// Measured with `examples/ffi_profile.rs --e2e` (2-vCPU AMD EPYC, xla-cpu-pjrt 0.0.1,
     /// batch 4 at 64×64, libtorch at its default 2 threads inside the kernels; best of 5–7
     /// interleaved runs; differences under ~15 % are noise on this shared machine). Whole
-    /// models, ms, inference / fused training step, with this rule (and [`FfiMode::auto_dot`]),
-    /// on a quiet machine:
+    /// models, ms, inference / fused training step, with the node rule (and
+    /// [`FfiMode::auto_dot`]), on a quiet machine, before kernels ran on the waiting thread:
     ///
     /// | model | eager | XLA only | this rule |
     /// |---|---|---|---|
@@ -204,12 +203,33 @@ impl FfiMode {
 /// ungrouped convolution to XLA (see [`FfiMode::auto_conv`]).
 pub const AUTO_MIN_CONV_FLOPS: f64 = 3e7;
 
-/// Below this many floating-point operations, [`FfiMode::Auto`] leaves an ungrouped
+/// Below this many floating-point operations, [`FfiMode::Auto`] leaves an ungrouped 1×1
 /// *forward* convolution to XLA (gradient convolutions go to libtorch from
-/// [`AUTO_MIN_CONV_FLOPS`]): resnet18's forward convolutions (33–77 MFLOP at batch 4, 64×64)
-/// ran faster in XLA (inference 13.3 ms vs 15.3 ms), vgg16's (302 MFLOP–1.2 GFLOP) faster in
-/// libtorch (inference 122 ms vs 148 ms).
+/// [`AUTO_MIN_CONV_FLOPS`], larger windows from [`AUTO_MIN_FORWARD_SPATIAL_CONV_FLOPS`]).
+/// Set when kernels still ran on XLA's workers: resnet18's forward convolutions (33–77
+/// MFLOP at batch 4, 64×64) ran faster in XLA then (inference 13.3 ms vs 15.3 ms), vgg16's
+/// (302 MFLOP–1.2 GFLOP) faster in libtorch (inference 122 ms vs 148 ms).
 pub const AUTO_MIN_FORWARD_CONV_FLOPS: f64 = 2e8;
+
+/// Below this many floating-point operations, [`FfiMode::Auto`] leaves an ungrouped
+/// forward convolution with a spatial window larger than 1 (3×3, 7×7, ...) to XLA; 1×1 ones
+/// keep [`AUTO_MIN_FORWARD_CONV_FLOPS`]. Since kernels run on the waiting thread (no
+/// throttled OpenMP teams, see `threads.rs`), resnet18's forward 3×3 convolutions (33–77
+/// MFLOP at batch 4, 64×64) are faster in libtorch: 2-vCPU Xeon, 3 alternating runs of 30
+/// calls, median ms, old rule / this one: resnet18 inference 29.4 / 20.7, 25.2 / 14.4,
+/// 26.6 / 22.8; alexnet 33.0 / 26.8, 28.9 / 33.4, 34.7 / 27.7; fused training of resnet18
+/// unchanged (118 / 111, 124 / 137, 119 / 119). squeezenet1_1's 1×1 classifier (37 MFLOP)
+/// took 1.3–3.5 ms as a kernel and made the model 30–60 % slower, hence 1×1 is left out.
+pub const AUTO_MIN_FORWARD_SPATIAL_CONV_FLOPS: f64 = 3e7;
+
+/// The forward-convolution threshold of [`FfiMode::Auto`] for a kernel of type `k`.
+fn forward_conv_min_flops(k: &TensorType) -> f64 {
+    if k.shape.dims().iter().skip(2).any(|&d| d > 1) {
+        AUTO_MIN_FORWARD_SPATIAL_CONV_FLOPS
+    } else {
+        AUTO_MIN_FORWARD_CONV_FLOPS
+    }
+}
 
 /// Below this many floating-point operations, [`FfiMode::Auto`] leaves a dot to XLA: a
 /// libtorch call has a fixed cost of tens of µs and XLA can fuse small ops with their
@@ -318,7 +338,7 @@ impl FfiSelect for FfiMode {
                 self.conv(c, a, b)
                     && (*self != FfiMode::Auto
                         || c.feature_groups > 1
-                        || conv_flops(c, a, b) >= AUTO_MIN_FORWARD_CONV_FLOPS
+                        || conv_flops(c, a, b) >= forward_conv_min_flops(b)
                         || is_gradient_conv(g, id, c))
             }
             Op::DotGeneral(d) => self.dot(d, a, b),

@@ -256,6 +256,47 @@ fn weight_gradient_form_equals_plain_form() {
     }
 }
 
+/// In a graph, an ungrouped forward convolution goes to libtorch from 30 MFLOP with a
+/// spatial window, from 200 MFLOP as 1×1.
+#[test]
+fn auto_rule_for_forward_convolutions_in_a_graph() {
+    use crate::ir::{Graph, InputKind};
+    let t = |d: &[usize]| TensorType::new(DType::F32, d.to_vec());
+    let mut pad = ConvAttrs::plain(2);
+    pad.padding = vec![(1, 1), (1, 1)];
+    let cases = [
+        // resnet18's 3x3 64->64 on 16x16 (75 MFLOP)
+        (pad.clone(), [4, 64, 16, 16], [64, 64, 3, 3], true),
+        // 3x3 64->64 on 8x8 (19 MFLOP)
+        (pad.clone(), [4, 64, 8, 8], [64, 64, 3, 3], false),
+        // squeezenet1_1's 1x1 classifier, 512->1000 on 3x3 (37 MFLOP)
+        (
+            ConvAttrs::plain(2),
+            [4, 512, 3, 3],
+            [1000, 512, 1, 1],
+            false,
+        ),
+        // a 1x1 of 268 MFLOP
+        (ConvAttrs::plain(2), [4, 512, 8, 8], [1024, 512, 1, 1], true),
+    ];
+    for (c, x, k, want) in cases {
+        let mut g = Graph::new();
+        let xi = g.add_input(InputKind::Data, "x", t(&x));
+        let ki = g.add_input(InputKind::Parameter, "k", t(&k));
+        let y = g.add(Op::Conv(c.clone()), &[xi, ki]).unwrap();
+        g.set_outputs(vec![y]).unwrap();
+        let flops = conv_flops(&c, &t(&x), &t(&k));
+        assert_eq!(
+            FfiMode::Auto.picks(&g, y),
+            want,
+            "x {x:?} k {k:?} ({:.0} MFLOP)",
+            flops / 1e6
+        );
+        assert!(FfiMode::All.picks(&g, y));
+        assert!(!FfiMode::Off.picks(&g, y));
+    }
+}
+
 #[test]
 fn auto_rule_keeps_small_ungrouped_ops_in_xla() {
     let t = |d: &[usize]| TensorType::new(DType::F32, d);
