@@ -149,6 +149,9 @@ pub struct Buffer {
     /// (push on increase, pop on decrease) with no lock of its own, so two threads reading
     /// the same buffer through `&Buffer` would otherwise race on it.
     external_refs: Mutex<()>,
+    /// The completion of the last execution that took this buffer as an argument (when the
+    /// plugin reports it): dropping the buffer before it completes would block in the plugin.
+    last_use: Mutex<Option<Arc<Completion>>>,
 }
 
 // SAFETY: a `PJRT_Buffer` is not tied to a thread, and `xla::PjRtBuffer` (which the C API
@@ -165,7 +168,13 @@ impl Buffer {
             client: Arc::clone(client),
             raw,
             external_refs: Mutex::new(()),
+            last_use: Mutex::new(None),
         }
+    }
+
+    /// Records that an execution that completes with `done` reads this buffer.
+    pub(crate) fn used_by(&self, done: &Arc<Completion>) {
+        *self.last_use.lock() = Some(Arc::clone(done));
     }
 
     pub(crate) fn raw(&self) -> *mut sys::PJRT_Buffer {
@@ -602,14 +611,71 @@ impl Drop for Buffer {
         // Destroying a buffer that a running execution still uses blocks until that
         // execution is done, and a thread blocked in the plugin cannot run the kernel jobs
         // XLA's workers hand over (see `handoff`): a training step's replaced parameters
-        // would then make its kernels run on the workers. With kernels registered, buffers
-        // are destroyed on a thread of their own instead.
-        if handoff::enabled() {
+        // would then make its kernels run on the workers. With kernels registered, such
+        // buffers are destroyed on a thread of their own instead (the others right here: a
+        // hand-over to that thread costs more than the destroy).
+        let in_use = self
+            .last_use
+            .get_mut()
+            .take()
+            .is_some_and(|done| !done.is_ready());
+        if in_use && handoff::enabled() {
             if let Some(tx) = RELEASER.get_or_init(spawn_releaser) {
                 // A failed send hands the buffer back, and dropping it destroys it here.
                 let _ = tx.send(dying);
             }
         }
+    }
+}
+
+/// The completion event of one execution on one device (`device_complete_events` of
+/// `PJRT_LoadedExecutable_Execute`), destroyed on drop.
+pub(crate) struct Completion {
+    client: Arc<ClientInner>,
+    raw: NonNull<sys::PJRT_Event>,
+}
+
+// SAFETY: a `PJRT_Event` may be queried and destroyed from any thread.
+unsafe impl Send for Completion {}
+// SAFETY: as above; `is_ready` only reads the event.
+unsafe impl Sync for Completion {}
+
+impl Completion {
+    /// Takes ownership of an event the plugin returned; `None` for a null event.
+    pub(crate) fn new(client: &Arc<ClientInner>, raw: *mut sys::PJRT_Event) -> Option<Completion> {
+        NonNull::new(raw).map(|raw| Completion {
+            client: Arc::clone(client),
+            raw,
+        })
+    }
+
+    /// Whether the execution is done (`true` also if the plugin cannot say: callers then
+    /// behave as without the event).
+    fn is_ready(&self) -> bool {
+        let api = self.client.api();
+        let Some(is_ready) = api.fns.PJRT_Event_IsReady else {
+            return true;
+        };
+        let mut args = sys::PJRT_Event_IsReady_Args::new();
+        args.event = self.raw.as_ptr();
+        // SAFETY: `self.raw` is a live event owned by `self`.
+        let err = unsafe { is_ready(&mut args) };
+        if !err.is_null() {
+            api.ignore_error("PJRT_Event_IsReady", err);
+            return true;
+        }
+        args.is_ready
+    }
+}
+
+impl Drop for Completion {
+    fn drop(&mut self) {
+        let api = self.client.api();
+        let mut args = sys::PJRT_Event_Destroy_Args::new();
+        args.event = self.raw.as_ptr();
+        // SAFETY: the event is owned by this wrapper and destroyed exactly once, here.
+        let err = unsafe { (api.fns.PJRT_Event_Destroy)(&mut args) };
+        api.ignore_error("PJRT_Event_Destroy", err);
     }
 }
 

@@ -5,7 +5,7 @@ use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
 use super::api::ApiInner;
-use super::buffer::Buffer;
+use super::buffer::{Buffer, Completion};
 use super::client::ClientInner;
 use super::sys::{self, Args};
 use crate::error::{Error, Result};
@@ -181,12 +181,24 @@ impl LoadedExecutable {
         exec.num_devices = args.len();
         exec.num_args = num_args;
         exec.output_lists = output_lists.as_ptr();
+        // Each replica's completion, recorded on its arguments (see `Buffer::used_by`).
+        let mut done: Vec<*mut sys::PJRT_Event> = vec![ptr::null_mut(); args.len()];
+        exec.device_complete_events = done.as_mut_ptr();
         // SAFETY: live executable; `num_devices` argument lists of `num_args` live buffers of
         // this client each (borrowed for the call); `num_devices` output lists with room for
-        // the executable's `num_outputs` buffers each; `options` outlives the call.
+        // the executable's `num_outputs` buffers each; room for `num_devices` completion
+        // events (owned by kiln afterwards); `options` outlives the call.
         let err = super::handoff::launching(|| unsafe {
             (api.fns.PJRT_LoadedExecutable_Execute)(&mut exec)
         });
+        for (list, &event) in args.iter().zip(&done) {
+            if let Some(c) = Completion::new(&self.client, event) {
+                let c = Arc::new(c);
+                for b in list.iter() {
+                    b.used_by(&c);
+                }
+            }
+        }
         // Take ownership of whatever outputs were written before looking at the error.
         let mut result = Vec::with_capacity(outputs.len());
         let mut missing = 0;
