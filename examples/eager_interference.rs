@@ -4,14 +4,17 @@
 //! after compiled runs with them ([`FfiMode::Auto`]), each phase's median, with the number
 //! of threads the process has.
 //!
-//! Why: each XLA worker thread that runs one of kiln's libtorch kernels starts an OpenMP
-//! team of its own. Once the process holds more OpenMP threads than CPUs, libgomp stops
-//! spinning at barriers in every team (its "throttled" spin count), and eager's parallel
-//! ops then wait for their workers to wake instead. Measured on a 2-vCPU Zen 4 EPYC (batch
-//! 4), alone / after `Off` / after `Auto`: resnet18 12.1 / 14.8 / 22.7 ms, mobilenet_v2
-//! 10.4 / 9.0 / 32.1 ms (2 / 13 / 25 threads). Dropping the backends ends their threads and
-//! the effect with them (resnet18 12.0 ms after `Auto` runs of a dropped backend). This is
-//! why the benchmark harness times eager before any compiled run.
+//! Why: XLA calls kiln's libtorch kernels from its worker threads. Each worker that ran one
+//! used to start an OpenMP team of its own; once the process held more OpenMP threads than
+//! CPUs, libgomp stopped spinning at barriers in every team (its "throttled" spin count),
+//! and eager's parallel ops then waited for their workers to wake instead. Measured on a
+//! 2-vCPU Zen 4 EPYC (batch 4), alone / after `Off` / after `Auto`: resnet18 12.1 / 14.8 /
+//! 22.7 ms, mobilenet_v2 10.4 / 9.0 / 32.1 ms (2 / 13 / 25 threads). Kernels now run on the
+//! thread waiting for the results, in its own team (`kernels::set_handoff`); on a 2-vCPU
+//! Xeon: resnet18 22.0 / 22.0 / 21.4 ms, mobilenet_v2 17.3 / 17.2 / 20.3 ms (2 / 13 / 21
+//! threads; one run each on a noisy machine, where eager alone moved between 15 and 22 ms
+//! for resnet18 within minutes). `KILN_KERNEL_HANDOFF=off` shows the old behaviour. The
+//! benchmark harness still times eager before any compiled run.
 //!
 //! ```text
 //! cargo run --release --example eager_interference            # resnet18, 20 calls a phase
@@ -57,7 +60,7 @@ fn main() -> kiln::Result<()> {
         Ok(median(t))
     };
     // Per-call milliseconds of `calls` compiled calls (after the compiling one), and the
-    // function: kept alive, as its backend's threads (and their OpenMP teams) are.
+    // function: kept alive, as its backend's threads are.
     let compiled = |ffi: FfiMode| -> kiln::Result<(f64, CompiledFn<XlaBackend>)> {
         let backend = XlaBackend::new()?;
         let mut options = backend.options().clone();

@@ -34,9 +34,10 @@
 //!    update ([`UPDATE_RTOL`]).
 //! 2. **Timed repetitions** (`repeat`): each run is `iterations_per_run` iterations with one
 //!    sync (reading the result back) at the end. Every model's eager repetitions run first,
-//!    before any compiled run in the process (kiln's libtorch kernels start OpenMP teams on
-//!    XLA's threads, which slow eager libtorch down in the same process; see
-//!    `examples/eager_interference.rs`); then each model's variants, their repetitions
+//!    before any compiled run in the process (kiln's libtorch kernels used to start OpenMP
+//!    teams on XLA's threads, which slowed eager libtorch down in the same process, see
+//!    `examples/eager_interference.rs`; eager is still timed as a user runs it, in a process
+//!    that has not run compiled code); then each model's variants, their repetitions
 //!    interleaved so that frequency scaling and background load hit all of them alike. With `randomize_input`, every repetition draws fresh seeded inputs (integer inputs
 //!    such as token ids are kept), and inference results are checked again.
 //! 3. **Result**: per-iteration medians; `speedup = median(eager) / median(variant)`; the

@@ -208,11 +208,12 @@ pub(crate) fn run(
     let n = sources.len();
     // Phase 1, eager: every model's eager warm-up, reference and timed repetitions, before
     // any compiled contender runs in this process. libtorch kernels inside XLA executables
-    // run on XLA's worker threads, and each such thread starts an OpenMP team of its own;
-    // once the process holds more OpenMP threads than CPUs, libgomp stops spinning at
-    // barriers in every team, eager's included (measured on a 2-vCPU Zen 4: resnet18 eager
-    // 12.4 ms alone, 19.5 ms after a compiled resnet18 had run, 12.3 ms when its executable
-    // had no libtorch kernels). Eager is timed as a user runs it: in a process without them.
+    // used to run on XLA's worker threads, each starting an OpenMP team of its own; once the
+    // process held more OpenMP threads than CPUs, libgomp stopped spinning at barriers in
+    // every team, eager's included (2-vCPU Zen 4: resnet18 eager 12.4 ms alone, 19.5 ms
+    // after a compiled resnet18 had run). Kernels now run on the thread waiting for the
+    // results (`KILN_KERNEL_HANDOFF=off` restores the old way); eager is still timed as a
+    // user runs it: in a process that has not run compiled code.
     let mut started = Vec::with_capacity(n);
     for (i, source) in sources.into_iter().enumerate() {
         let name = source.name().to_string();
