@@ -181,9 +181,12 @@ impl LoadedExecutable {
         exec.num_devices = args.len();
         exec.num_args = num_args;
         exec.output_lists = output_lists.as_ptr();
-        // Each replica's completion, recorded on its arguments (see `Buffer::used_by`).
+        // Each replica's completion, recorded on its arguments (see `Buffer::used_by`): only
+        // needed where dropping a busy argument must not block (kernel handoff).
         let mut done: Vec<*mut sys::PJRT_Event> = vec![ptr::null_mut(); args.len()];
-        exec.device_complete_events = done.as_mut_ptr();
+        if super::handoff::enabled() {
+            exec.device_complete_events = done.as_mut_ptr();
+        }
         // SAFETY: live executable; `num_devices` argument lists of `num_args` live buffers of
         // this client each (borrowed for the call); `num_devices` output lists with room for
         // the executable's `num_outputs` buffers each; room for `num_devices` completion

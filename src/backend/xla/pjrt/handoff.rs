@@ -9,12 +9,12 @@
 //! ([`super::api::Event::wait`]) is idle anyway, and it already owns a team (the one eager
 //! libtorch uses), so kernels run there: no extra teams, no throttling.
 //!
-//! How: while a thread waits for an event it *serves* ([`serve_until`]): it runs the jobs
-//! that handlers queue ([`run`]) until the event's ready callback fires. A handler hands its
-//! job over only if some thread is serving at that moment, and blocks until that thread ran
-//! it; otherwise (the program runs on the caller's thread inside `Execute`, or nobody waits)
-//! it runs the job itself. A serving thread leaves only with the queue empty, checked under
-//! the same lock, so no job is stranded.
+//! How: while a thread waits for an event it *serves* ([`Handoff::serve_until`]): it runs
+//! the jobs that handlers queue ([`Handoff::run`]) until the event's ready callback fires. A
+//! handler hands its job over only if some thread is serving at that moment, and blocks until
+//! that thread ran it; otherwise (the program runs on the caller's thread inside `Execute`,
+//! or nobody waits) it runs the job itself. A serving thread leaves only with the queue
+//! empty, checked under the same lock, so no job is stranded.
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::any::Any;
@@ -29,7 +29,7 @@ use std::thread::{self, Thread};
 
 /// One handed-over job: a closure on the handing thread's stack, and how its end is reported.
 struct Job {
-    /// The closure, its lifetime erased (see [`run`]).
+    /// The closure, its lifetime erased (see [`Handoff::run`]).
     task: NonNull<dyn FnMut() + 'static>,
     /// A panic of the closure, re-raised on the handing thread.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
