@@ -402,6 +402,36 @@ impl ApiInner {
         unsafe { (self.fns.PJRT_Error_Destroy)(&mut args) };
     }
 
+    /// Whether `event` is ready (`PJRT_Event_IsReady`); `None` if the plugin cannot say (no
+    /// such function, or it failed).
+    ///
+    /// # Safety
+    /// `event` must be a live event of this plugin.
+    pub(crate) unsafe fn event_is_ready(&self, event: NonNull<sys::PJRT_Event>) -> Option<bool> {
+        let is_ready = self.fns.PJRT_Event_IsReady?;
+        let mut args = sys::PJRT_Event_IsReady_Args::new();
+        args.event = event.as_ptr();
+        // SAFETY: `event` is live (the caller's guarantee).
+        let err = unsafe { is_ready(&mut args) };
+        if !err.is_null() {
+            self.ignore_error("PJRT_Event_IsReady", err);
+            return None;
+        }
+        Some(args.is_ready)
+    }
+
+    /// Destroys `event` (`PJRT_Event_Destroy`).
+    ///
+    /// # Safety
+    /// `event` must be a live event of this plugin owned by the caller, not used afterwards.
+    pub(crate) unsafe fn destroy_event(&self, event: NonNull<sys::PJRT_Event>) {
+        let mut args = sys::PJRT_Event_Destroy_Args::new();
+        args.event = event.as_ptr();
+        // SAFETY: `event` is live and owned by the caller, who gives it up here.
+        let err = unsafe { (self.fns.PJRT_Event_Destroy)(&mut args) };
+        self.ignore_error("PJRT_Event_Destroy", err);
+    }
+
     /// Reports a failed cleanup call (in `Drop`, where it cannot be returned) and frees it.
     pub(crate) fn ignore_error(&self, call: &'static str, err: *mut sys::PJRT_Error) {
         if let Err(e) = self.check(call, err) {
@@ -448,19 +478,11 @@ impl Event<'_> {
     /// handlers then run their kernels themselves).
     fn serve_until_ready(&self) {
         let fns = &self.api.fns;
-        let (Some(is_ready), Some(on_ready)) = (fns.PJRT_Event_IsReady, fns.PJRT_Event_OnReady)
-        else {
+        let Some(on_ready) = fns.PJRT_Event_OnReady else {
             return;
         };
-        let mut args = sys::PJRT_Event_IsReady_Args::new();
-        args.event = self.raw.as_ptr();
         // SAFETY: `self.raw` is a live event owned by `self`.
-        let err = unsafe { is_ready(&mut args) };
-        if !err.is_null() {
-            self.api.ignore_error("PJRT_Event_IsReady", err);
-            return;
-        }
-        if args.is_ready {
+        if unsafe { self.api.event_is_ready(self.raw) } != Some(false) {
             return;
         }
         let flag = Arc::new(ReadyFlag {
@@ -509,11 +531,8 @@ unsafe extern "C" fn on_ready_callback(error: *mut sys::PJRT_Error, user_arg: *m
 
 impl Drop for Event<'_> {
     fn drop(&mut self) {
-        let mut args = sys::PJRT_Event_Destroy_Args::new();
-        args.event = self.raw.as_ptr();
         // SAFETY: `self.raw` is owned by this wrapper and destroyed exactly once, here.
-        let err = unsafe { (self.api.fns.PJRT_Event_Destroy)(&mut args) };
-        self.api.ignore_error("PJRT_Event_Destroy", err);
+        unsafe { self.api.destroy_event(self.raw) };
     }
 }
 

@@ -652,30 +652,15 @@ impl Completion {
     /// Whether the execution is done (`true` also if the plugin cannot say: callers then
     /// behave as without the event).
     fn is_ready(&self) -> bool {
-        let api = self.client.api();
-        let Some(is_ready) = api.fns.PJRT_Event_IsReady else {
-            return true;
-        };
-        let mut args = sys::PJRT_Event_IsReady_Args::new();
-        args.event = self.raw.as_ptr();
         // SAFETY: `self.raw` is a live event owned by `self`.
-        let err = unsafe { is_ready(&mut args) };
-        if !err.is_null() {
-            api.ignore_error("PJRT_Event_IsReady", err);
-            return true;
-        }
-        args.is_ready
+        unsafe { self.client.api().event_is_ready(self.raw) }.unwrap_or(true)
     }
 }
 
 impl Drop for Completion {
     fn drop(&mut self) {
-        let api = self.client.api();
-        let mut args = sys::PJRT_Event_Destroy_Args::new();
-        args.event = self.raw.as_ptr();
         // SAFETY: the event is owned by this wrapper and destroyed exactly once, here.
-        let err = unsafe { (api.fns.PJRT_Event_Destroy)(&mut args) };
-        api.ignore_error("PJRT_Event_Destroy", err);
+        unsafe { self.client.api().destroy_event(self.raw) };
     }
 }
 

@@ -183,8 +183,9 @@ impl LoadedExecutable {
         exec.output_lists = output_lists.as_ptr();
         // Each replica's completion, recorded on its arguments (see `Buffer::used_by`): only
         // needed where dropping a busy argument must not block (kernel handoff).
-        let mut done: Vec<*mut sys::PJRT_Event> = vec![ptr::null_mut(); args.len()];
+        let mut done: Vec<*mut sys::PJRT_Event> = Vec::new();
         if super::handoff::enabled() {
+            done.resize(args.len(), ptr::null_mut());
             exec.device_complete_events = done.as_mut_ptr();
         }
         // SAFETY: live executable; `num_devices` argument lists of `num_args` live buffers of
