@@ -7,6 +7,7 @@ mod common;
 use common::{floats, run, xla, SplitMix64};
 use kiln::autograd::vjp;
 use kiln::backend::eager::EagerBackend;
+use kiln::backend::xla::kernels::FfiSelect;
 use kiln::backend::xla::{Autotune, FfiMode, Lowering, XlaBackend, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{ConvAttrs, DType, DotDims, Graph, InputKind, Op, Shape, TensorType, UnaryOp};
@@ -150,7 +151,8 @@ fn autotune_off_is_the_rule() {
         let n = g.node(id);
         let (a, w) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
         let want = match &n.op {
-            Op::Conv(c) if ffi.conv(c, a, w) => Lowering::Ffi,
+            // The rule in its graph (frozen weights make packed convolutions).
+            Op::Conv(_) if ffi.picks(&g, id) => Lowering::Ffi,
             Op::Conv(c)
                 if kiln::backend::xla::ConvStrategy::auto_rule(c, a, w)
                     == kiln::backend::xla::ConvLowering::Im2col =>

@@ -317,6 +317,6 @@ fn traced_graphs_have_equal_fingerprints() {
 fn fingerprint_golden_value() {
     assert_eq!(
         build("base").fingerprint().to_hex(),
-        "cc24683f5c6b9629f632cef0fb4651f8669ca07690a0c84a992da6547390eaff"
+        "3e86bb8dd57ea33646a770d132f03a68616c97625a6ac5301316aba0241e451c"
     );
 }

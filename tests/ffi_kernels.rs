@@ -337,6 +337,8 @@ fn kernels_take_precedence_over_im2col() {
     let mut g = Graph::new();
     let x = g.add_input(InputKind::Data, "x", xt.clone());
     let w = g.add_input(InputKind::Parameter, "w", kt.clone());
+    // As in a training step (a frozen weight's convolution would be a packed one).
+    g.set_updated_between_calls(1, true).unwrap();
     let y = g.add(Op::Conv(c.clone()), &[x, w]).unwrap();
     let yt = g.node(y).ty.clone();
     let ct = g.add_input(InputKind::Cotangent, "ct", yt);

@@ -7,7 +7,7 @@ mod common;
 
 use common::{floats, run, xla, SplitMix64};
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::kernels::{self, CONV_TARGET};
+use kiln::backend::xla::kernels::{self, CONV_TARGET, PACKED_CONV_TARGET};
 use kiln::backend::xla::{FfiMode, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{BinaryOp, ConvAttrs, DType, Graph, InputKind, Op, TensorType, UnaryOp};
@@ -22,8 +22,9 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 /// A chain of 3×3 convolutions, each followed by `y · tanh(y)` in XLA: enough XLA work for
 /// its CPU runtime to run the program on its worker threads rather than inside `Execute`
-/// (with `tanh` alone it runs inside).
-fn conv_chain(dtype: DType) -> (Graph, Vec<TensorType>) {
+/// (with `tanh` alone it runs inside). Frozen weights make packed convolutions, weights
+/// updated between calls (as in training) the plain convolution kernel.
+fn conv_chain(dtype: DType, frozen: bool) -> (Graph, Vec<TensorType>) {
     let xt = TensorType::new(dtype, [4, 32, 32, 32]);
     let kt = TensorType::new(dtype, [32, 32, 3, 3]);
     let mut c = ConvAttrs::plain(2);
@@ -33,6 +34,7 @@ fn conv_chain(dtype: DType) -> (Graph, Vec<TensorType>) {
     let mut types = vec![xt];
     for i in 0..4 {
         let k = g.add_input(InputKind::Parameter, format!("k{i}"), kt.clone());
+        g.set_updated_between_calls(i + 1, !frozen).unwrap();
         types.push(kt.clone());
         let y = g.add(Op::Conv(c.clone()), &[h, k]).unwrap();
         let t = g.add(Op::Unary(UnaryOp::Tanh), &[y]).unwrap();
@@ -44,17 +46,28 @@ fn conv_chain(dtype: DType) -> (Graph, Vec<TensorType>) {
 
 #[test]
 fn kernels_run_on_the_waiting_thread_and_match_a_float64_reference() {
+    for frozen in [false, true] {
+        waiting_thread_runs_kernels(frozen);
+    }
+}
+
+fn waiting_thread_runs_kernels(frozen: bool) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let b = xla().with_options(XlaOptions::plain().ffi(FfiMode::All));
     assert_eq!(b.ffi_status(), Ok(()), "the CPU plugin runs kiln's kernels");
-    let (g, types) = conv_chain(DType::F32);
-    assert!(b.lower(&g).unwrap().contains(CONV_TARGET));
+    let (g, types) = conv_chain(DType::F32, frozen);
+    let target = if frozen && kernels::packed_conv_enabled() {
+        PACKED_CONV_TARGET
+    } else {
+        CONV_TARGET
+    };
+    assert_eq!(b.lower(&g).unwrap().matches(target).count(), 4);
     let mut r = SplitMix64::mixed(7);
     let ins: Vec<HostTensor> = types
         .iter()
         .map(|t| floats(t.shape.dims(), t.dtype, || (r.uniform() * 2.0 - 1.0) * 0.2))
         .collect();
-    let (g64, _) = conv_chain(DType::F64);
+    let (g64, _) = conv_chain(DType::F64, frozen);
     let ins64: Vec<HostTensor> = ins
         .iter()
         .map(|h| HostTensor::from_slice(h.ty().shape.dims(), &h.to_f64_vec()).unwrap())
@@ -92,7 +105,7 @@ fn kernels_run_on_the_waiting_thread_and_match_a_float64_reference() {
     // graph needs more XLA work to test anything).
     assert!(
         handed * 2 >= calls,
-        "{handed} of {calls} kernel calls ran on the waiting thread"
+        "{target}: {handed} of {calls} kernel calls ran on the waiting thread"
     );
 }
 

@@ -103,6 +103,7 @@ impl Graph {
         self.inputs().len().hash(&mut h);
         for i in self.inputs() {
             i.kind.hash(&mut h);
+            i.updated_between_calls.hash(&mut h);
             i.ty.hash(&mut h);
             pos[i.node.index()].hash(&mut h);
         }

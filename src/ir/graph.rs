@@ -54,6 +54,12 @@ pub struct Input {
     pub name: String,
     /// Its type.
     pub ty: TensorType,
+    /// Whether the caller updates this variable between calls of the program, through other
+    /// programs (a training step's parameters, which its optimizer replaces every step): a
+    /// backend must then not keep values it derived from the input across calls (see the XLA
+    /// backend's packed convolutions). Data inputs are new on every call anyway; set by
+    /// [`Graph::set_updated_between_calls`].
+    pub updated_between_calls: bool,
 }
 
 /// The node, edge and input counts of a graph ([`Graph::size`], [`Graph::with_capacity`]).
@@ -124,6 +130,7 @@ impl Graph {
             kind,
             name: name.into(),
             ty,
+            updated_between_calls: false,
         });
         node
     }
@@ -186,6 +193,18 @@ impl Graph {
             )));
         }
         self.aliases.push((input, output));
+        Ok(())
+    }
+
+    /// Declares whether input `input` is updated between calls by other programs (see
+    /// [`Input::updated_between_calls`]).
+    pub fn set_updated_between_calls(&mut self, input: usize, updated: bool) -> Result<()> {
+        let n = self.inputs.len();
+        let inp = self
+            .inputs
+            .get_mut(input)
+            .ok_or_else(|| Error::Graph(format!("input {input} out of range ({n} inputs)")))?;
+        inp.updated_between_calls = updated;
         Ok(())
     }
 

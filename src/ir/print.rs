@@ -76,6 +76,8 @@ impl fmt::Display for Graph {
     ///   return %2
     /// }
     /// ```
+    /// (a training step's variables read `param updated "0.weight"`, see
+    /// [`crate::ir::Input::updated_between_calls`]).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let order = self.topo_order();
         let num: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
@@ -84,9 +86,14 @@ impl fmt::Display for Graph {
             if i > 0 {
                 f.write_str(", ")?;
             }
+            let updated = if inp.updated_between_calls {
+                " updated"
+            } else {
+                ""
+            };
             write!(
                 f,
-                "%{}: {} {} {:?}",
+                "%{}: {} {}{updated} {:?}",
                 num[&inp.node],
                 inp.ty,
                 kind_name(&inp.kind),

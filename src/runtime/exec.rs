@@ -390,6 +390,12 @@ impl StepBuilder {
         } = self;
         let (nodes, dests): (Vec<NodeId>, Vec<Dest>) = outputs.into_iter().unzip();
         graph.set_outputs(nodes)?;
+        // A training step's programs update its variables every step.
+        for (i, a) in args.iter().enumerate() {
+            if matches!(a, Arg::Var(_)) {
+                graph.set_updated_between_calls(i, true)?;
+            }
+        }
         for (i, o) in donations {
             graph.add_alias(i, o)?;
         }

@@ -363,14 +363,15 @@ impl ConvCase {
     }
 
     /// The case's convolution and its gradients as kiln's autograd builds them, in `dtype`:
-    /// inputs `x` (data), `w` (parameter) and the cotangent `ct`; outputs `y`, `dx`, `dw`.
-    /// Returns the graph and its input types.
+    /// inputs `x` (data), `w` (a parameter updated between calls, as in a training step)
+    /// and the cotangent `ct`; outputs `y`, `dx`, `dw`. Returns the graph and its input types.
     pub fn grad_graph(&self, dtype: DType) -> (Graph, [TensorType; 3]) {
         let xt = TensorType::new(dtype, self.x.as_slice());
         let kt = TensorType::new(dtype, self.k.as_slice());
         let mut g = Graph::new();
         let a = g.add_input(InputKind::Data, "x", xt.clone());
         let b = g.add_input(InputKind::Parameter, "w", kt.clone());
+        g.set_updated_between_calls(1, true).unwrap();
         let y = g.add(Op::Conv(self.attrs.clone()), &[a, b]).unwrap();
         let yt = g.node(y).ty.clone();
         let ct = g.add_input(InputKind::Cotangent, "ct", yt.clone());

@@ -14,7 +14,7 @@ use super::kernels::{self, FfiLowering, FfiMode, FfiSelect};
 use crate::error::{Error, Result};
 use crate::ir::{
     BinaryOp, CompareOp, ConvAttrs, DType, DotDims, Graph, Literal, Node, NodeId, Op, ReduceKind,
-    TensorType, UnaryOp, WindowAttrs,
+    Shape, TensorType, UnaryOp, WindowAttrs,
 };
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -243,6 +243,59 @@ impl<'g> Emitter<'g> {
                 let args: Vec<&str> = args.iter().map(String::as_str).collect();
                 let tys: Vec<String> = operands.iter().map(|&o| self.ty(o)).collect();
                 self.generic(res, "stablehlo.custom_call", &args, &tys, &attrs, out_ty);
+                self.names.insert(id, res.to_string());
+                true
+            }
+            Some(FfiLowering::Nhwc {
+                operands,
+                nhwc,
+                attrs,
+                result,
+            }) => {
+                let mut args = Vec::with_capacity(operands.len());
+                let mut tys = Vec::with_capacity(operands.len());
+                for (i, (&o, &t)) in operands.iter().zip(&nhwc).enumerate() {
+                    let ty = &self.g.node(o).ty;
+                    if t && ty.shape.rank() == 4 {
+                        let d = ty.shape.dims();
+                        let to = TensorType::new(ty.dtype, Shape::new(&[d[0], d[2], d[3], d[1]]));
+                        let name = format!("{res}_x{i}");
+                        let from = tensor_type(ty);
+                        let to = tensor_type(&to);
+                        let arg = self.name(o).to_string();
+                        self.generic(
+                            &name,
+                            "stablehlo.transpose",
+                            &[&arg],
+                            &[from],
+                            "permutation = array<i64: 0, 2, 3, 1>",
+                            &to,
+                        );
+                        args.push(name);
+                        tys.push(to);
+                    } else {
+                        args.push(self.name(o).to_string());
+                        tys.push(self.ty(o));
+                    }
+                }
+                let call = format!("{res}_call");
+                let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
+                self.generic(
+                    &call,
+                    "stablehlo.custom_call",
+                    &arg_refs,
+                    &tys,
+                    &attrs,
+                    &result,
+                );
+                self.generic(
+                    res,
+                    "stablehlo.transpose",
+                    &[&call],
+                    &[result],
+                    "permutation = array<i64: 0, 3, 1, 2>",
+                    out_ty,
+                );
                 self.names.insert(id, res.to_string());
                 true
             }

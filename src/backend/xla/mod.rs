@@ -22,7 +22,7 @@ pub use replicated::{Replicated, ReplicatedBuffer};
 
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
-use crate::ir::{DType, Fingerprint, Graph, NodeId, TensorType};
+use crate::ir::{DType, Fingerprint, Graph, InputKind, NodeId, TensorType};
 use crate::passes::{im2col_nodes, Pass, WidenHalf};
 use autotune::{Caps, GraphChoice, Source, Tuner, Variant};
 use parking_lot::Mutex;
@@ -90,7 +90,8 @@ pub struct XlaExecutable {
 }
 
 impl XlaExecutable {
-    fn new(exe: pjrt::LoadedExecutable, graph: &Graph, mlir: String) -> Self {
+    fn new(mut exe: pjrt::LoadedExecutable, graph: &Graph, mlir: String) -> Self {
+        exe.set_weight_inputs(weight_inputs(graph));
         XlaExecutable {
             exe,
             inputs: graph
@@ -1125,6 +1126,32 @@ const WHOLE_GRAPH_ROUNDS: usize = 25;
 /// About how long (s) the whole-graph check times each variant for, within
 /// [`Autotune::reps`]..=[`WHOLE_GRAPH_ROUNDS`] rounds.
 const WHOLE_GRAPH_SECONDS: f64 = 1.0;
+
+/// Which inputs of `graph` may key packed weights (its variables read in place, if it has a
+/// convolution the packed kernel can run; see `kernels::weights`) and which it donates.
+fn weight_inputs(graph: &Graph) -> pjrt::WeightInputs {
+    let donated: Vec<usize> = graph.aliases().iter().map(|&(i, _)| i).collect();
+    let packs = graph
+        .petgraph()
+        .node_indices()
+        .any(|id| kernels::packed_conv(graph, id).is_some());
+    let sources = if packs {
+        graph
+            .inputs()
+            .iter()
+            .enumerate()
+            .filter(|(i, inp)| {
+                matches!(inp.kind, InputKind::Parameter | InputKind::Buffer)
+                    && !inp.updated_between_calls
+                    && !donated.contains(i)
+            })
+            .map(|(i, _)| i)
+            .collect()
+    } else {
+        Vec::new()
+    };
+    pjrt::WeightInputs { sources, donated }
+}
 
 /// The nodes chosen for libtorch kernels.
 fn ffi_nodes(choices: &[autotune::Chosen]) -> HashSet<NodeId> {

@@ -14,7 +14,7 @@ fn i64_array(v: impl IntoIterator<Item = i64>) -> String {
 }
 
 /// Row-major layout attribute of a rank-`r` array (`minor_to_major = [r-1, ..., 0]`).
-fn row_major(r: usize) -> String {
+pub(super) fn row_major(r: usize) -> String {
     if r == 0 {
         return "dense<> : tensor<0xindex>".into();
     }

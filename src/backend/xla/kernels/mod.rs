@@ -44,8 +44,11 @@
 mod conv;
 mod dot;
 mod mlir;
+mod onednn;
+mod packed;
 mod selftest;
 mod threads;
+pub(crate) mod weights;
 
 pub use conv::{
     conv, conv_form, conv_out_dims, effective_dims, effective_kernel_dims, weight_gradient_direct,
@@ -54,13 +57,16 @@ pub use dot::{DotPlan, TinyDot, TINY_DOT_MAX_FLOPS};
 pub use mlir::{
     conv_call_attrs, conv_call_attrs_form, conv_call_mlir, dot_call_attrs, dot_call_mlir,
 };
+pub use packed::{packed_conv_enabled, PACKED_CONV_TARGET};
 pub use threads::{
     handoff, reset_stats, serialized, set_handoff, set_serialized, set_threads, stats, threads,
     torch_lock, KernelGuard, KernelStats,
 };
+pub use weights::{clear_weight_cache, weight_cache_stats, WeightCacheStats};
 
 pub(crate) use conv::ConvKernel;
 pub(crate) use dot::DotKernel;
+pub(crate) use packed::{packed_conv, PackedConvKernel};
 pub(crate) use selftest::enable;
 
 #[cfg(test)]
@@ -98,8 +104,10 @@ impl FfiMode {
     pub fn key(&self) -> &'static str {
         match self {
             FfiMode::Off => "off",
-            FfiMode::Auto => "auto5",
-            FfiMode::All => "all1",
+            FfiMode::Auto if packed_conv_enabled() => "auto6",
+            FfiMode::Auto => "auto6-unpacked",
+            FfiMode::All if packed_conv_enabled() => "all2",
+            FfiMode::All => "all2-unpacked",
         }
     }
 
@@ -313,6 +321,19 @@ pub enum FfiLowering {
     /// Nothing: every user of the node is lowered to a call that reads the node's operands
     /// itself.
     Absorbed,
+    /// A `stablehlo.custom_call` on NHWC arrays ([`PACKED_CONV_TARGET`]): the operands marked
+    /// in `nhwc` are transposed from NCHW first, and the call's result (of MLIR type
+    /// `result`, NHWC) is transposed back to the node's NCHW type.
+    Nhwc {
+        /// The operands, in order.
+        operands: Vec<NodeId>,
+        /// Which operands are transposed to NHWC.
+        nhwc: Vec<bool>,
+        /// The custom call's attributes.
+        attrs: String,
+        /// The MLIR type of the call's (NHWC) result.
+        result: String,
+    },
 }
 
 /// Which convolution and dot nodes [`ffi_lowering`] hands to libtorch: an [`FfiMode`]'s
@@ -335,11 +356,13 @@ impl FfiSelect for FfiMode {
         let (a, b) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
         match &n.op {
             Op::Conv(c) => {
-                self.conv(c, a, b)
+                let packed = || *self != FfiMode::Off && packed_conv(g, id).is_some();
+                (self.conv(c, a, b)
                     && (*self != FfiMode::Auto
                         || c.feature_groups > 1
                         || conv_flops(c, a, b) >= forward_conv_min_flops(b)
-                        || is_gradient_conv(g, id, c))
+                        || is_gradient_conv(g, id, c)))
+                    || packed()
             }
             Op::DotGeneral(d) => self.dot(d, a, b),
             _ => false,
@@ -381,12 +404,19 @@ fn picked<S: FfiSelect + ?Sized>(g: &Graph, id: NodeId, sel: &S) -> bool {
 }
 
 /// Whether node `id` of `g` becomes a libtorch kernel call under `sel`, and how:
-/// convolutions ([`CONV_TARGET`], reading through autograd's kernel reversal and operand
-/// transposes, see [`ConvForm`]), the transpose that turns a weight-gradient convolution into
-/// the weight gradient, and dots ([`DOT_TARGET`]). `None`: XLA lowers the node.
+/// convolutions whose weight comes from frozen variables, with the elementwise ops after them
+/// ([`PACKED_CONV_TARGET`], see the `packed` module), other convolutions ([`CONV_TARGET`],
+/// reading through autograd's kernel reversal and operand transposes, see [`ConvForm`]), the
+/// transpose that turns a weight-gradient convolution into the weight gradient, and dots
+/// ([`DOT_TARGET`]). `None`: XLA lowers the node.
 pub fn ffi_lowering<S: FfiSelect + ?Sized>(g: &Graph, id: NodeId, mode: &S) -> Option<FfiLowering> {
     let n = g.node(id);
     let ty = |o: NodeId| &g.node(o).ty;
+    if matches!(n.op, Op::Conv(_) | Op::Binary(_)) {
+        if let Some(p) = packed::packed_chain_of(g, id, &|c| picked(g, c, mode)) {
+            return Some(packed::lowering(g, id, &p));
+        }
+    }
     match &n.op {
         Op::DotGeneral(d) if n.operands.len() == 2 => {
             let (a, b) = (ty(n.operands[0]), ty(n.operands[1]));

@@ -92,7 +92,9 @@ fn forward_weight_is_found_only_in_the_autograd_pattern() {
     let wt = TensorType::new(DType::F32, [5, 3, 3, 3]);
     let mut g = Graph::new();
     let x = g.add_input(InputKind::Data, "x", xt);
-    let w = g.add_input(InputKind::Parameter, "w", wt.clone());
+    // Passed per call, as in a training step (a frozen weight's forward convolution is a
+    // packed one).
+    let w = g.add_input(InputKind::Data, "w", wt.clone());
     let y = g.add(Op::Conv(c.clone()), &[x, w]).unwrap();
     let ct = g.add_input(InputKind::Cotangent, "ct", g.node(y).ty.clone());
     let grads = crate::autograd::vjp(&mut g, y, ct, &[true, false]).unwrap();
@@ -256,8 +258,9 @@ fn weight_gradient_form_equals_plain_form() {
     }
 }
 
-/// In a graph, an ungrouped forward convolution goes to libtorch from 30 MFLOP with a
-/// spatial window, from 200 MFLOP as 1×1.
+/// In a graph, an ungrouped forward convolution on a weight passed per call goes to libtorch
+/// from 30 MFLOP with a spatial window, from 200 MFLOP as 1×1; on a frozen weight it is a
+/// packed convolution however small.
 #[test]
 fn auto_rule_for_forward_convolutions_in_a_graph() {
     use crate::ir::{Graph, InputKind};
@@ -280,20 +283,24 @@ fn auto_rule_for_forward_convolutions_in_a_graph() {
         (ConvAttrs::plain(2), [4, 512, 8, 8], [1024, 512, 1, 1], true),
     ];
     for (c, x, k, want) in cases {
-        let mut g = Graph::new();
-        let xi = g.add_input(InputKind::Data, "x", t(&x));
-        let ki = g.add_input(InputKind::Parameter, "k", t(&k));
-        let y = g.add(Op::Conv(c.clone()), &[xi, ki]).unwrap();
-        g.set_outputs(vec![y]).unwrap();
-        let flops = conv_flops(&c, &t(&x), &t(&k));
-        assert_eq!(
-            FfiMode::Auto.picks(&g, y),
-            want,
-            "x {x:?} k {k:?} ({:.0} MFLOP)",
-            flops / 1e6
-        );
-        assert!(FfiMode::All.picks(&g, y));
-        assert!(!FfiMode::Off.picks(&g, y));
+        for kind in [InputKind::Data, InputKind::Parameter] {
+            let mut g = Graph::new();
+            let xi = g.add_input(InputKind::Data, "x", t(&x));
+            let ki = g.add_input(kind.clone(), "k", t(&k));
+            let y = g.add(Op::Conv(c.clone()), &[xi, ki]).unwrap();
+            g.set_outputs(vec![y]).unwrap();
+            let flops = conv_flops(&c, &t(&x), &t(&k));
+            let packed = kind == InputKind::Parameter && packed_conv_enabled();
+            assert_eq!(packed_conv(&g, y).is_some(), packed);
+            assert_eq!(
+                FfiMode::Auto.picks(&g, y),
+                want || packed,
+                "x {x:?} k {k:?} ({:.0} MFLOP) {kind:?}",
+                flops / 1e6
+            );
+            assert!(FfiMode::All.picks(&g, y));
+            assert!(!FfiMode::Off.picks(&g, y));
+        }
     }
 }
 

@@ -455,6 +455,11 @@ impl<'a> Event<'a> {
         NonNull::new(raw).map(|raw| Event { api, raw })
     }
 
+    /// The event, still owned by `self`.
+    pub(crate) fn raw(&self) -> NonNull<sys::PJRT_Event> {
+        self.raw
+    }
+
     /// Blocks until the event is ready; an error it carries is reported as a failure of
     /// `call`, the operation the event belongs to.
     ///

@@ -152,6 +152,9 @@ pub struct Buffer {
     /// The completion of the last execution that took this buffer as an argument (when the
     /// plugin reports it): dropping the buffer before it completes would block in the plugin.
     last_use: Mutex<Option<Arc<Completion>>>,
+    /// The address this buffer registered with the packed-weight cache (0: none); forgotten
+    /// when the buffer is donated or destroyed ([`Buffer::mark_weight_source`]).
+    weight_address: AtomicUsize,
 }
 
 // SAFETY: a `PJRT_Buffer` is not tied to a thread, and `xla::PjRtBuffer` (which the C API
@@ -169,6 +172,43 @@ impl Buffer {
             raw,
             external_refs: Mutex::new(()),
             last_use: Mutex::new(None),
+            weight_address: AtomicUsize::new(0),
+        }
+    }
+
+    /// Registers this buffer's address with the packed-weight cache (`kernels::weights`),
+    /// once: an execution is about to read it as a variable, and packed weights computed
+    /// from it may be kept until it is donated or destroyed. Skipped while the buffer is not
+    /// ready (its storage may not exist yet) or when the plugin cannot give the address:
+    /// kernels then pack without keeping the result.
+    pub(crate) fn mark_weight_source(&self) {
+        if self.weight_address.load(Ordering::Acquire) != 0 {
+            return;
+        }
+        let Some(read) = self.client.direct_read.as_ref() else {
+            return;
+        };
+        if !self.is_ready_now() {
+            return;
+        }
+        let Some(address) = read.address(self) else {
+            return;
+        };
+        if self
+            .weight_address
+            .compare_exchange(0, address, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            crate::backend::xla::kernels::weights::register(address);
+        }
+    }
+
+    /// Forgets this buffer's registration with the packed-weight cache (before it is
+    /// donated: its memory is about to hold the execution's output).
+    pub(crate) fn forget_weight_source(&self) {
+        let address = self.weight_address.swap(0, Ordering::AcqRel);
+        if address != 0 {
+            crate::backend::xla::kernels::weights::forget(address);
         }
     }
 
@@ -381,6 +421,25 @@ impl Buffer {
         }
     }
 
+    /// Whether the buffer's contents are computed, without waiting (`false` also when the
+    /// plugin cannot say, or the computation failed).
+    fn is_ready_now(&self) -> bool {
+        let api = self.client.api();
+        let mut args = sys::PJRT_Buffer_ReadyEvent_Args::new();
+        args.buffer = self.raw();
+        // SAFETY: live buffer, valid args struct.
+        let err = unsafe { (api.fns.PJRT_Buffer_ReadyEvent)(&mut args) };
+        let event = Event::new(api, args.event);
+        if api.check("PJRT_Buffer_ReadyEvent", err).is_err() {
+            return false;
+        }
+        match event {
+            // SAFETY: the event is live (owned by `e`, destroyed when it drops).
+            Some(e) => (unsafe { api.event_is_ready(e.raw()) }) == Some(true),
+            None => true,
+        }
+    }
+
     /// Whether PJRT has deleted the buffer's storage (it was donated to an execution).
     ///
     /// # Errors
@@ -472,6 +531,23 @@ impl DirectRead {
             decrease_external_reference_count: fns.PJRT_Buffer_DecreaseExternalReferenceCount?,
             opaque_device_memory_data_pointer: fns.PJRT_Buffer_OpaqueDeviceMemoryDataPointer?,
         })
+    }
+
+    /// The address of `buffer`'s storage (`PJRT_Buffer_OpaqueDeviceMemoryDataPointer`), as an
+    /// identity only: nothing is read through it. `None` if the plugin does not say.
+    pub(crate) fn address(&self, buffer: &Buffer) -> Option<usize> {
+        let mut pointer = sys::PJRT_Buffer_OpaqueDeviceMemoryDataPointer_Args::new();
+        pointer.buffer = buffer.raw();
+        // SAFETY: live buffer (borrowed), valid args struct.
+        let err = unsafe { (self.opaque_device_memory_data_pointer)(&mut pointer) };
+        let api = buffer.client.api();
+        if api
+            .check("PJRT_Buffer_OpaqueDeviceMemoryDataPointer", err)
+            .is_err()
+        {
+            return None;
+        }
+        Some(pointer.device_memory_ptr as usize).filter(|&a| a != 0)
     }
 
     /// Copies `buffer`, of rank `rank`, into `dst` (non-empty, exactly the dense host size)
@@ -607,6 +683,7 @@ impl Drop for Buffer {
         let dying = Dying {
             client: self.client.clone(),
             raw: self.raw,
+            weight_address: *self.weight_address.get_mut(),
         };
         // Destroying a buffer that a running execution still uses blocks until that
         // execution is done, and a thread blocked in the plugin cannot run the kernel jobs
@@ -668,6 +745,9 @@ impl Drop for Completion {
 struct Dying {
     client: Arc<ClientInner>,
     raw: NonNull<sys::PJRT_Buffer>,
+    /// Its registration with the packed-weight cache (0: none), forgotten once it is
+    /// destroyed (and no execution reads the memory any more).
+    weight_address: usize,
 }
 
 // SAFETY: as for `Buffer`: a `PJRT_Buffer` may be destroyed from any thread.
@@ -682,6 +762,9 @@ impl Drop for Dying {
         // it exactly once, here; `self.client` keeps its client alive until after this call.
         let err = unsafe { (api.fns.PJRT_Buffer_Destroy)(&mut args) };
         api.ignore_error("PJRT_Buffer_Destroy", err);
+        if self.weight_address != 0 {
+            crate::backend::xla::kernels::weights::forget(self.weight_address);
+        }
     }
 }
 

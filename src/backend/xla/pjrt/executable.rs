@@ -15,6 +15,17 @@ pub struct LoadedExecutable {
     client: Arc<ClientInner>,
     raw: NonNull<sys::PJRT_LoadedExecutable>,
     num_outputs: usize,
+    /// The arguments whose addresses key packed weights (see [`Buffer::mark_weight_source`]),
+    /// and the arguments the program donates.
+    weight_inputs: WeightInputs,
+}
+
+/// Which arguments of an executable read variables whose addresses may key packed weights
+/// (`sources`), and which it donates (`donated`); see [`LoadedExecutable::set_weight_inputs`].
+#[derive(Clone, Debug, Default)]
+pub(crate) struct WeightInputs {
+    pub sources: Vec<usize>,
+    pub donated: Vec<usize>,
 }
 
 // SAFETY: a `PJRT_LoadedExecutable` is not tied to a thread, and `xla::PjRtLoadedExecutable`
@@ -75,6 +86,7 @@ impl LoadedExecutable {
             client: Arc::clone(client),
             raw,
             num_outputs: 0,
+            weight_inputs: WeightInputs::default(),
         };
         let inner = exe.executable()?;
         let mut args = sys::PJRT_Executable_NumOutputs_Args::new();
@@ -85,6 +97,13 @@ impl LoadedExecutable {
         drop(inner);
         exe.num_outputs = args.num_outputs;
         Ok(exe)
+    }
+
+    /// Declares which arguments' addresses may key packed weights and which arguments the
+    /// program donates: before each execution the donated ones are forgotten by the packed
+    /// weight cache and the sources registered with it (`kernels::weights`).
+    pub(crate) fn set_weight_inputs(&mut self, inputs: WeightInputs) {
+        self.weight_inputs = inputs;
     }
 
     fn executable(&self) -> Result<ExecutableRef<'_>> {
@@ -162,6 +181,20 @@ impl LoadedExecutable {
                 ptrs.push(b.raw());
             }
             arg_ptrs.push(ptrs);
+        }
+        // Packed weights keyed by a buffer about to be donated are dropped before its memory
+        // is written; the variables read in place are registered as sources.
+        for list in args {
+            for &i in &self.weight_inputs.donated {
+                if let Some(b) = list.get(i) {
+                    b.forget_weight_source();
+                }
+            }
+            for &i in &self.weight_inputs.sources {
+                if let Some(b) = list.get(i) {
+                    b.mark_weight_source();
+                }
+            }
         }
         let arg_lists: Vec<*const *mut sys::PJRT_Buffer> =
             arg_ptrs.iter().map(|l| l.as_ptr()).collect();

@@ -246,6 +246,8 @@ pub(crate) struct Call<'a> {
 pub(crate) enum Attr<'a> {
     /// An integer scalar (`7 : i64`, `7 : i32`).
     Int(i64),
+    /// A float scalar (`0.5 : f64`, `0.5 : f32`).
+    Float(f64),
     /// A dense `i64` array (`array<i64: 1, 2>`).
     Ints(&'a [i64]),
     /// A string.
@@ -302,6 +304,25 @@ impl Call<'_> {
         }
         // SAFETY: an argument of type BUFFER is an `XLA_FFI_Buffer` valid for this call.
         unsafe { buffer_ref(p.cast(), "operand", i) }
+    }
+
+    /// The address of operand `i`'s data, of any element type: for identity only (the
+    /// packed-weight cache's keys), never read through.
+    pub fn arg_address(&self, i: usize) -> Result<usize> {
+        let a = &self.frame.args;
+        if i >= self.num_args() {
+            return Err(Error::Invalid(format!(
+                "operand {i} requested, the call has {}",
+                self.num_args()
+            )));
+        }
+        // SAFETY: `i < size`; `types` and `args` hold `size` entries (XLA FFI contract).
+        let (ty, p) = unsafe { (*a.types.add(i), *a.args.add(i)) };
+        if ty != XLA_FFI_ArgType_BUFFER || p.is_null() {
+            return Err(Error::Invalid(format!("operand {i} is not a buffer")));
+        }
+        // SAFETY: an argument of type BUFFER is an `XLA_FFI_Buffer` valid for this call.
+        Ok(unsafe { (*p.cast::<XLA_FFI_Buffer>()).data } as usize)
     }
 
     /// Result `i`.
@@ -371,6 +392,16 @@ impl Call<'_> {
         }
     }
 
+    /// The float attribute `name`.
+    pub fn attr_f64(&self, name: &str) -> Result<f64> {
+        match self.attr(name) {
+            Some(Attr::Float(v)) => Ok(v),
+            other => Err(Error::Invalid(format!(
+                "attribute {name}: expected a float, got {other:?}"
+            ))),
+        }
+    }
+
     /// The `i64` array attribute `name`.
     pub fn attr_ints(&self, name: &str) -> Result<&[i64]> {
         match self.attr(name) {
@@ -397,6 +428,10 @@ unsafe fn attr_value<'a>(ty: u32, p: *mut c_void) -> Attr<'a> {
                 XLA_FFI_DataType_S64 => Attr::Int(unsafe { *s.value.cast::<i64>() }),
                 // SAFETY: an S32 scalar's `value` points to an `i32`.
                 XLA_FFI_DataType_S32 => Attr::Int(i64::from(unsafe { *s.value.cast::<i32>() })),
+                // SAFETY: an F64 scalar's `value` points to an `f64`.
+                XLA_FFI_DataType_F64 => Attr::Float(unsafe { *s.value.cast::<f64>() }),
+                // SAFETY: an F32 scalar's `value` points to an `f32`.
+                XLA_FFI_DataType_F32 => Attr::Float(f64::from(unsafe { *s.value.cast::<f32>() })),
                 _ => Attr::Other,
             }
         }
@@ -503,6 +538,34 @@ impl BufferRef<'_> {
     /// kiln kernel builds its views inside [`FfiKernel::run`] and drops them there). Writing
     /// through a view of an *operand* is not allowed (XLA may share the buffer).
     pub fn tensor(&self) -> Result<tch::Tensor> {
+        self.view(self.dims, &[])
+    }
+
+    /// A libtorch tensor viewing this buffer's memory with `sizes` and element `strides`
+    /// that stay inside the buffer (e.g. a channels-last `[N, C, H, W]` view of an NHWC
+    /// buffer). Same rules as [`BufferRef::tensor`].
+    pub fn tensor_strided(&self, sizes: &[i64], strides: &[i64]) -> Result<tch::Tensor> {
+        let numel: i64 = self.dims.iter().product();
+        let inside = sizes.len() == strides.len()
+            && sizes.iter().all(|&s| s >= 0)
+            && strides.iter().all(|&s| s >= 0)
+            && (sizes.contains(&0)
+                || sizes
+                    .iter()
+                    .zip(strides)
+                    .map(|(&s, &t)| (s - 1) * t)
+                    .sum::<i64>()
+                    < numel);
+        if !inside {
+            return Err(Error::Invalid(format!(
+                "a view of sizes {sizes:?} and strides {strides:?} does not fit a buffer of {:?}",
+                self.dims
+            )));
+        }
+        self.view(sizes, strides)
+    }
+
+    fn view(&self, sizes: &[i64], strides: &[i64]) -> Result<tch::Tensor> {
         let kind = match self.dtype {
             DType::F32 => tch::Kind::Float,
             _ => tch::Kind::Double,
@@ -513,12 +576,14 @@ impl BufferRef<'_> {
         }
         // SAFETY: XLA guarantees that `data` holds a dense row-major array of `dims` elements
         // of this type for the duration of the call, and the view is dropped within the call
-        // (see above). Empty arrays are viewed without reading memory.
+        // (see above); the view covers those elements only (`sizes` are `dims` with default
+        // strides, or were checked to stay inside by `tensor_strided`). Empty arrays are
+        // viewed without reading memory.
         let t = unsafe {
             tch::Tensor::f_from_blob(
                 self.data.cast::<u8>(),
-                self.dims,
-                &[],
+                sizes,
+                strides,
                 kind,
                 tch::Device::Cpu,
             )

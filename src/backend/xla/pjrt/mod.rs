@@ -66,6 +66,7 @@ pub use api::Api;
 pub use buffer::{live_buffers, Buffer, ElementType};
 pub use client::{Client, NamedValue};
 pub use executable::LoadedExecutable;
+pub(crate) use executable::WeightInputs;
 
 /// Serialized `CompileOptionsProto` for a single-device compile, the options kiln passes to
 /// [`Client::compile`].
