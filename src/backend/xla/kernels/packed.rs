@@ -588,3 +588,148 @@ impl FfiKernel for PackedConvKernel {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{ConvAttrs, Literal};
+
+    fn t(d: &[usize]) -> TensorType {
+        TensorType::new(DType::F32, d.to_vec())
+    }
+
+    /// `broadcast(reshape(v) to [1, C, 1, 1])` to `like`'s shape.
+    fn per_ch(g: &mut Graph, v: NodeId, like: NodeId) -> NodeId {
+        let c = g.node(v).ty.shape.dim(0);
+        let r = g.add(Op::Reshape(Shape::new(&[1, c, 1, 1])), &[v]).unwrap();
+        let shape = g.node(like).ty.shape.clone();
+        g.add(
+            Op::Broadcast {
+                shape,
+                dims: vec![0, 1, 2, 3],
+            },
+            &[r],
+        )
+        .unwrap()
+    }
+
+    fn splat(g: &mut Graph, v: f64, like: NodeId) -> NodeId {
+        let k = g
+            .add(Op::Constant(Literal::scalar(DType::F32, v)), &[])
+            .unwrap();
+        let shape = g.node(like).ty.shape.clone();
+        g.add(
+            Op::Broadcast {
+                shape,
+                dims: vec![],
+            },
+            &[k],
+        )
+        .unwrap()
+    }
+
+    fn bin(g: &mut Graph, op: BinaryOp, a: NodeId, b: NodeId) -> NodeId {
+        g.add(Op::Binary(op), &[a, b]).unwrap()
+    }
+
+    /// conv → BatchNorm-style scale and shift → `act`, on input `x` and a fresh weight of
+    /// kind `kind`. Returns the convolution and the last node.
+    fn conv_bn(g: &mut Graph, x: NodeId, kind: InputKind, o: usize) -> (NodeId, NodeId) {
+        let c = g.node(x).ty.shape.dim(1);
+        let w = g.add_input(kind, "w", t(&[o, c, 3, 3]));
+        let s = g.add_input(InputKind::Buffer, "scale", t(&[o]));
+        let b = g.add_input(InputKind::Parameter, "shift", t(&[o]));
+        let mut a = ConvAttrs::plain(2);
+        a.padding = vec![(1, 1), (1, 1)];
+        let y = g.add(Op::Conv(a), &[x, w]).unwrap();
+        let sb = per_ch(g, s, y);
+        let m = bin(g, BinaryOp::Mul, y, sb);
+        let bb = per_ch(g, b, y);
+        (y, bin(g, BinaryOp::Add, m, bb))
+    }
+
+    #[test]
+    fn epilogues_are_recognized_in_order_and_stop_where_they_must() {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", t(&[2, 4, 6, 6]));
+        // conv-bn-relu6
+        let (c1, bn1) = conv_bn(&mut g, x, InputKind::Parameter, 4);
+        let lo = splat(&mut g, 0.0, bn1);
+        let hi = splat(&mut g, 6.0, bn1);
+        let mx = bin(&mut g, BinaryOp::Max, bn1, lo);
+        let r6 = bin(&mut g, BinaryOp::Min, mx, hi);
+        // main conv-bn and a downsampling conv-bn, summed, then ReLU
+        let (c2, bn2) = conv_bn(&mut g, r6, InputKind::Parameter, 4);
+        let (c3, bn3) = conv_bn(&mut g, r6, InputKind::Parameter, 4);
+        let sum = bin(&mut g, BinaryOp::Add, bn2, bn3);
+        let z = splat(&mut g, 0.0, sum);
+        let relu = bin(&mut g, BinaryOp::Max, sum, z);
+        // a convolution on a weight passed per call: not packed
+        let (c4, _) = conv_bn(&mut g, relu, InputKind::Data, 4);
+        g.set_outputs(vec![relu, c4]).unwrap();
+
+        let p1 = packed_conv(&g, c1).unwrap();
+        assert_eq!(p1.act, Activation::Clamp(0.0, 6.0));
+        assert_eq!(p1.tail, r6);
+        assert!(p1.scale.is_some() && p1.shift.is_some() && p1.residual.is_none());
+        assert_eq!(p1.absorbed.len(), 4); // conv, mul, add, max
+        assert_eq!(p1.sources.len(), 2); // the weight and the scale (the shift is read per call)
+                                         // The left one of the two chains takes the sum and the ReLU.
+        let p2 = packed_conv(&g, c2).unwrap();
+        assert_eq!(
+            (p2.residual, p2.tail, p2.act),
+            (Some(bn3), relu, Activation::Relu)
+        );
+        let p3 = packed_conv(&g, c3).unwrap();
+        assert_eq!((p3.residual, p3.tail), (None, bn3));
+        assert!(packed_conv(&g, c4).is_none());
+        // Every node of a chain finds it.
+        for p in [&p1, &p2, &p3] {
+            for &n in p.absorbed.iter().chain([&p.tail]) {
+                assert_eq!(packed_chain_of(&g, n, &|_| true).as_ref(), Some(p));
+            }
+        }
+        assert!(packed_chain_of(&g, c4, &|_| true).is_none());
+        assert!(packed_chain_of(&g, c1, &|_| false).is_none());
+        // The same computation from other variables: one digest, other sources (which key
+        // the packed weights apart).
+        assert_eq!(p2.digest, p3.digest);
+        assert_ne!(p2.sources, p3.sources);
+    }
+
+    #[test]
+    fn weights_updated_between_calls_or_by_the_graph_are_not_frozen() {
+        for how in 0..3 {
+            let mut g = Graph::new();
+            let x = g.add_input(InputKind::Data, "x", t(&[1, 3, 5, 5]));
+            let w = g.add_input(InputKind::Parameter, "w", t(&[2, 3, 3, 3]));
+            let y = g.add(Op::Conv(ConvAttrs::plain(2)), &[x, w]).unwrap();
+            let w2 = bin(&mut g, BinaryOp::Mul, w, w);
+            g.set_outputs(vec![y, w2]).unwrap();
+            match how {
+                0 => {}
+                1 => g.set_updated_between_calls(1, true).unwrap(),
+                _ => g.add_alias(1, 1).unwrap(),
+            }
+            assert_eq!(packed_conv(&g, y).is_some(), how == 0, "case {how}");
+        }
+    }
+
+    #[test]
+    fn a_clamp_after_a_residual_sum_is_left_to_xla() {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", t(&[2, 4, 6, 6]));
+        let (c, bn) = conv_bn(&mut g, x, InputKind::Parameter, 4);
+        let sum = bin(&mut g, BinaryOp::Add, bn, x);
+        let lo = splat(&mut g, 0.0, sum);
+        let hi = splat(&mut g, 6.0, sum);
+        let mx = bin(&mut g, BinaryOp::Max, sum, lo);
+        let r6 = bin(&mut g, BinaryOp::Min, mx, hi);
+        g.set_outputs(vec![r6]).unwrap();
+        let p = packed_conv(&g, c).unwrap();
+        assert_eq!(
+            (p.residual, p.tail, p.act),
+            (Some(x), sum, Activation::None)
+        );
+    }
+}

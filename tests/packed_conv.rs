@@ -1,0 +1,216 @@
+//! Packed convolutions (frozen weights, oneDNN, fused epilogues) end to end: zoo models'
+//! compiled inference against their float64 twins, and packed weights that follow every
+//! change of the variables they were made from.
+//!
+//! A test binary of its own: the packed-weight cache's counters are process-wide.
+
+use kiln::backend::eager::EagerBackend;
+use kiln::backend::xla::kernels::{self, PACKED_CONV_TARGET};
+use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
+use kiln::ir::DType;
+use kiln::nn::ParamStore;
+use kiln::zoo::{self, Model, SharedModel};
+use kiln::{compile, Tensor};
+use std::sync::Mutex;
+
+/// Held by each test while it reads the cache's counters.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn xla() -> XlaBackend {
+    let b = XlaBackend::new().expect("the CPU plugin");
+    assert_eq!(b.ffi_status(), Ok(()), "the CPU plugin runs kiln's kernels");
+    b
+}
+
+/// Non-trivial BatchNorm statistics and affine parameters (fresh ones are the identity, which
+/// would hide a wrong scale or shift).
+fn randomize_batch_norm(model: &dyn Model, seed: u64) {
+    let vars = model.store().vars();
+    for (i, (name, t)) in vars.into_iter().enumerate() {
+        let Some((prefix, leaf)) = name.rsplit_once('.') else {
+            continue;
+        };
+        if !model
+            .store()
+            .vars()
+            .iter()
+            .any(|(n, _)| *n == format!("{prefix}.running_mean"))
+        {
+            continue;
+        }
+        let c = t.dims().first().copied().unwrap_or(0);
+        let r = Tensor::randn(&[c], seed + i as u64).unwrap();
+        let v = match leaf {
+            "running_mean" => r.mul_scalar(0.1).unwrap(),
+            "running_var" => r
+                .abs()
+                .unwrap()
+                .mul_scalar(0.5)
+                .unwrap()
+                .add_scalar(0.5)
+                .unwrap(),
+            "weight" => r.mul_scalar(0.2).unwrap().add_scalar(1.0).unwrap(),
+            "bias" => r.mul_scalar(0.1).unwrap(),
+            _ => continue,
+        };
+        model.store().set(&name, &v.to_host().unwrap()).unwrap();
+    }
+}
+
+/// The float64 twin of `model` (same values, an f64 store).
+fn f64_twin(name: &str, model: &dyn Model) -> SharedModel {
+    let store = ParamStore::with_seed(0)
+        .with_float_dtype(DType::F64)
+        .unwrap();
+    let twin = zoo::build_in(name, store).unwrap();
+    twin.store().copy_from(model.store()).unwrap();
+    SharedModel::new(twin)
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_host().unwrap().to_f64_vec()
+}
+
+/// Largest absolute difference, relative to the largest absolute reference value.
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0.0f64, |m, w| m.max(w.abs()));
+    assert!(scale > 0.0, "the reference is zero");
+    got.iter()
+        .zip(want)
+        .fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
+        / scale
+}
+
+/// Compiled inference of CNNs whose every convolution is a packed one (BatchNorm folded,
+/// ReLU / ReLU6 and residual sums fused) against the float64 twin: the error is bounded by a
+/// small multiple of what float32 costs eager libtorch on the same model, plus a floor.
+#[test]
+fn zoo_cnns_with_packed_convolutions_match_float64() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (name, convs) in [
+        ("resnet18", 20),
+        ("mobilenet_v2", 52),
+        ("squeezenet1_1", 26),
+        ("resnext50_32x4d", 53),
+    ] {
+        let model = SharedModel::new(zoo::build(name, 0).unwrap());
+        randomize_batch_norm(&model, 77);
+        let twin = f64_twin(name, &model);
+        let xs = model.example_inputs(2, 5).unwrap();
+        let xs64: Vec<Tensor> = xs.iter().map(|x| x.to_dtype(DType::F64).unwrap()).collect();
+        let want = values(&twin.forward(&xs64, false).unwrap());
+        let eager = values(&model.forward(&xs, false).unwrap());
+
+        let m = model.clone();
+        let mut f = compile(xla(), move |xs: &[Tensor]| Ok(vec![m.forward(xs, false)?]));
+        let text = f
+            .inspect(&xs)
+            .unwrap()
+            .text("stablehlo")
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            text.matches(PACKED_CONV_TARGET).count(),
+            convs,
+            "{name}: every convolution packed"
+        );
+        assert!(!text.contains("stablehlo.convolution"), "{name}");
+        for call in 0..3 {
+            let got = values(&f.run(&xs).unwrap()[0]);
+            let (e_xla, e_eager) = (rel_err(&got, &want), rel_err(&eager, &want));
+            println!("{name} call {call}: vs float64 compiled {e_xla:.2e}, eager {e_eager:.2e}");
+            assert!(
+                e_xla <= 4.0 * e_eager + 2e-6,
+                "{name} call {call}: compiled error {e_xla:.2e}, eager float32's {e_eager:.2e}"
+            );
+        }
+    }
+}
+
+/// A packed weight is made from the values the variables hold when a call runs: after
+/// `set_var`, after a refresh from the store, and after a call in training mode updated the
+/// BatchNorm statistics in place (donated), the next inference call packs again and agrees
+/// with eager libtorch on the new values. Between such changes, nothing is packed again.
+#[test]
+fn packed_weights_follow_every_change_of_their_variables() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let name = "resnet18";
+    let model = SharedModel::new(zoo::build(name, 0).unwrap());
+    randomize_batch_norm(&model, 5);
+    let xs = model.example_inputs(2, 9).unwrap();
+    let train_xs = model.example_inputs(4, 10).unwrap();
+    let m = model.clone();
+    // Batch 4 is traced in training mode (BatchNorm updates its running statistics, donated
+    // in place), batch 2 in evaluation mode (packed convolutions on the frozen weights).
+    let mut f = compile(xla(), move |xs: &[Tensor]| {
+        let train = xs[0].dims()[0] == 4;
+        Ok(vec![m.forward(xs, train)?])
+    });
+    let check = |f: &mut kiln::CompiledFn<XlaBackend>, what: &str| {
+        let want = values(&model.forward(&xs, false).unwrap());
+        let got = values(&f.run(&xs).unwrap()[0]);
+        let e = rel_err(&got, &want);
+        assert!(e < 1e-4, "{what}: compiled differs from eager by {e:.2e}");
+    };
+    check(&mut f, "first call");
+    let packs = kernels::weight_cache_stats().packs;
+    for _ in 0..3 {
+        check(&mut f, "repeated call");
+    }
+    let s = kernels::weight_cache_stats();
+    assert_eq!(s.packs, packs, "repeated calls pack nothing: {s:?}");
+    assert!(s.cached >= 20, "{s:?}");
+
+    // A new weight through the runtime.
+    let (wname, w) = model
+        .store()
+        .vars()
+        .into_iter()
+        .find(|(n, _)| n == "layer2.0.conv1.weight")
+        .unwrap();
+    let new = w.mul_scalar(-1.5).unwrap().to_host().unwrap();
+    model.store().set(&wname, &new).unwrap();
+    f.runtime().set_var(&w, &new).unwrap();
+    check(&mut f, "after set_var");
+    assert!(kernels::weight_cache_stats().packs > packs);
+
+    // New BatchNorm statistics through the store.
+    randomize_batch_norm(&model, 11);
+    f.refresh_from_store().unwrap();
+    check(&mut f, "after refresh_from_store");
+
+    // A training-mode call updates the running statistics on the device (donating their
+    // buffers); eager does the same on its side.
+    f.run(&train_xs).unwrap();
+    model.forward(&train_xs, true).unwrap();
+    check(&mut f, "after a training-mode call");
+    let packs = kernels::weight_cache_stats().packs;
+    check(&mut f, "again");
+    assert_eq!(kernels::weight_cache_stats().packs, packs);
+}
+
+/// With the FFI kernels off, nothing is packed, and the eager interpreter never packs.
+#[test]
+fn no_packed_convolutions_without_kernels() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let model = SharedModel::new(zoo::build("squeezenet1_1", 0).unwrap());
+    let xs = model.example_inputs(2, 1).unwrap();
+    let m = model.clone();
+    let b = xla().with_options(XlaOptions::default().ffi(FfiMode::Off));
+    let mut f = compile(b, move |xs: &[Tensor]| Ok(vec![m.forward(xs, false)?]));
+    let text = f
+        .inspect(&xs)
+        .unwrap()
+        .text("stablehlo")
+        .unwrap()
+        .to_string();
+    assert!(!text.contains(PACKED_CONV_TARGET));
+    let want = values(&model.forward(&xs, false).unwrap());
+    assert!(rel_err(&values(&f.run(&xs).unwrap()[0]), &want) < 1e-4);
+    let m = model.clone();
+    let mut e = compile(EagerBackend::new(), move |xs: &[Tensor]| {
+        Ok(vec![m.forward(xs, false)?])
+    });
+    assert!(rel_err(&values(&e.run(&xs).unwrap()[0]), &want) < 1e-5);
+}
