@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 # The tests that compare floating-point results with references.
 tests=(--test ops --test autograd --test zoo_grad --test zoo --test conv_lowering --test optim --test train
-  --test ffi_kernels --test packed_conv --test fuzz --test mixed_precision --test data_parallel)
+  --test ffi_kernels --test packed --test fuzz --test mixed_precision --test data_parallel)
 run() {
   local name=$1; shift
   echo "== numerical tests restricted to $name: $*"

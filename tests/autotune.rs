@@ -151,15 +151,14 @@ fn autotune_off_is_the_rule() {
         let n = g.node(id);
         let (a, w) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
         let want = match &n.op {
-            // The rule in its graph (frozen weights make packed convolutions).
-            Op::Conv(_) if ffi.picks(&g, id) => Lowering::Ffi,
+            // The rule in its graph (frozen weights make packed convolutions and linears).
+            Op::Conv(_) | Op::DotGeneral(_) if ffi.picks(&g, id) => Lowering::Ffi,
             Op::Conv(c)
                 if kiln::backend::xla::ConvStrategy::auto_rule(c, a, w)
                     == kiln::backend::xla::ConvLowering::Im2col =>
             {
                 Lowering::Im2col
             }
-            Op::DotGeneral(d) if ffi.dot(d, a, w) => Lowering::Ffi,
             _ => Lowering::Xla,
         };
         assert_eq!(l, want, "node {id:?}: {}", n.op.name());

@@ -1,8 +1,12 @@
 //! Device layouts of variables: a `Linear` weight read only by XLA dots lives transposed
 //! (`[in, out]`) on the device, while every value the caller sees (results, `read_var`, the
 //! store after `sync_to_store`) keeps PyTorch's layout.
+//!
+//! With kiln's kernels on, a compiled function's frozen f32 `Linear` weights go to the packed
+//! linear kernel instead (which keeps PyTorch's layout), so XLA's own dots read them only
+//! with the kernels off ([`no_kernels`]), in f64, or where the function updates the weight.
 
-use kiln::backend::xla::XlaBackend;
+use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::nn::{Linear, Module, ParamStore};
 use kiln::{compile, Tensor, TensorType};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,6 +26,11 @@ fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
+/// The XLA backend with kiln's kernels off: every product is XLA's own dot.
+fn no_kernels() -> kiln::Result<XlaBackend> {
+    Ok(XlaBackend::new()?.with_options(XlaOptions::default().ffi(FfiMode::Off)))
+}
+
 fn layers(store: &ParamStore) -> kiln::Result<(Linear, Linear)> {
     Ok((
         Linear::new(&store.root().sub("l1"), 64, 48, true)?,
@@ -36,9 +45,9 @@ fn linear_weights_live_transposed_and_keep_their_values() -> kiln::Result<()> {
     // The compiled function owns its layers (same seed, same values): `c1w` is its weight.
     let (c1, c2) = layers(&ParamStore::with_seed(7))?;
     let c1w = c1.weight.clone();
-    // 96 rows: XLA's own dot (few-row products go to libtorch, tiny ones to the kernel loop).
+    // XLA's own dot (the kernels are off).
     let x = Tensor::randn(&[96, 64], 3)?;
-    let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+    let mut f = compile(no_kernels()?, move |xs: &[Tensor]| {
         Ok(vec![c2.forward(&c1.forward(&xs[0])?.relu()?)?])
     });
     let got = f.run(std::slice::from_ref(&x))?[0].to_f64_vec()?;
@@ -119,7 +128,7 @@ fn a_transposed_variable_updated_later_stays_right() -> kiln::Result<()> {
     let (w, b) = (l1.weight.clone(), l1.bias.clone().unwrap());
     let update = Arc::new(AtomicBool::new(false));
     let flag = update.clone();
-    let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+    let mut f = compile(no_kernels()?, move |xs: &[Tensor]| {
         let y = l1.forward(&xs[0])?;
         if flag.load(Ordering::SeqCst) {
             l1.weight.assign(&l1.weight.add_scalar(1.0)?)?;
@@ -160,7 +169,8 @@ fn a_transposed_variable_updated_later_stays_right() -> kiln::Result<()> {
     Ok(())
 }
 
-/// Products that kiln's dot kernel takes (here tiny ones) keep the weight in PyTorch's layout.
+/// Products that kiln's kernels take (here tiny ones, the dot kernel's loop; and larger
+/// ones, the packed linear) keep the weight in PyTorch's layout.
 #[test]
 fn weights_of_kernel_products_keep_pytorchs_layout() -> kiln::Result<()> {
     let (c1, _) = layers(&ParamStore::with_seed(10))?;
@@ -177,5 +187,27 @@ fn weights_of_kernel_products_keep_pytorchs_layout() -> kiln::Result<()> {
         .map(|i| i.ty.shape.dims().to_vec())
         .collect();
     assert!(dims.contains(&vec![48, 64]), "{dims:?}");
+
+    let (c1, _) = layers(&ParamStore::with_seed(11))?;
+    let (w, b) = (c1.weight.clone(), c1.bias.clone().expect("a bias"));
+    let x = Tensor::randn(&[96, 64], 7)?;
+    let mut f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![c1.forward(&xs[0])?])
+    });
+    let text = f
+        .inspect(std::slice::from_ref(&x))?
+        .text("stablehlo")?
+        .to_string();
+    assert!(text.contains(kiln::backend::xla::kernels::PACKED_LINEAR_TARGET));
+    let got = f.run(std::slice::from_ref(&x))?[0].to_f64_vec()?;
+    let program = f.program(&[x.ty().clone()]).expect("traced");
+    assert!(program
+        .graph
+        .inputs()
+        .iter()
+        .any(|i| i.ty.shape.dims() == [48, 64]));
+    let d = |t: &Tensor| t.as_tch().unwrap().to_kind(tch::Kind::Double);
+    let want = Vec::<f64>::try_from((d(&x).matmul(&d(&w).tr()) + d(&b)).reshape([-1])).unwrap();
+    assert!(rel_err(&got, &want) < 1e-5);
     Ok(())
 }

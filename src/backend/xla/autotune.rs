@@ -518,7 +518,7 @@ pub(crate) fn candidates(g: &Graph, s: &Site, caps: &Caps) -> (Vec<Lowering>, Lo
             if caps.ffi != FfiMode::Off && dot_supported(d, a, b) {
                 out.push(Lowering::Ffi);
             }
-            if caps.ffi.dot(d, a, b) {
+            if caps.ffi.picks(g, s.node) {
                 Lowering::Ffi
             } else {
                 Lowering::Xla

@@ -909,6 +909,7 @@ impl Backend for XlaBackend {
                             && d.rhs_batch.is_empty()
                             && d.rhs_contract == [1]
                             && !ffi.dot(d, &graph.node(n.operands[0]).ty, &w.ty)
+                            && (ffi == FfiMode::Off || kernels::packed_linear(graph, u).is_none())
                     }
                     _ => false,
                 }
@@ -1131,10 +1132,9 @@ const WHOLE_GRAPH_SECONDS: f64 = 1.0;
 /// convolution the packed kernel can run; see `kernels::weights`) and which it donates.
 fn weight_inputs(graph: &Graph) -> pjrt::WeightInputs {
     let donated: Vec<usize> = graph.aliases().iter().map(|&(i, _)| i).collect();
-    let packs = graph
-        .petgraph()
-        .node_indices()
-        .any(|id| kernels::packed_conv(graph, id).is_some());
+    let packs = graph.petgraph().node_indices().any(|id| {
+        kernels::packed_conv(graph, id).is_some() || kernels::packed_linear(graph, id).is_some()
+    });
     let sources = if packs {
         graph
             .inputs()

@@ -22,7 +22,7 @@ pub(super) fn row_major(r: usize) -> String {
     format!("dense<[{}]> : tensor<{r}xindex>", v.join(", "))
 }
 
-fn custom_call_attrs(
+pub(super) fn custom_call_attrs(
     target: &str,
     config: &str,
     operands: &[&TensorType],

@@ -46,6 +46,7 @@ mod dot;
 mod mlir;
 mod onednn;
 mod packed;
+mod packed_linear;
 mod selftest;
 mod threads;
 pub(crate) mod weights;
@@ -58,6 +59,7 @@ pub use mlir::{
     conv_call_attrs, conv_call_attrs_form, conv_call_mlir, dot_call_attrs, dot_call_mlir,
 };
 pub use packed::{packed_conv_enabled, PACKED_CONV_TARGET};
+pub use packed_linear::PACKED_LINEAR_TARGET;
 pub use threads::{
     handoff, reset_stats, serialized, set_handoff, set_serialized, set_threads, stats, threads,
     torch_lock, KernelGuard, KernelStats,
@@ -67,6 +69,7 @@ pub use weights::{clear_weight_cache, weight_cache_stats, WeightCacheStats};
 pub(crate) use conv::ConvKernel;
 pub(crate) use dot::DotKernel;
 pub(crate) use packed::{packed_conv, PackedConvKernel};
+pub(crate) use packed_linear::{packed_linear, PackedLinearKernel};
 pub(crate) use selftest::enable;
 
 #[cfg(test)]
@@ -364,7 +367,9 @@ impl FfiSelect for FfiMode {
                         || is_gradient_conv(g, id, c)))
                     || packed()
             }
-            Op::DotGeneral(d) => self.dot(d, a, b),
+            Op::DotGeneral(d) => {
+                self.dot(d, a, b) || (*self != FfiMode::Off && packed_linear(g, id).is_some())
+            }
             _ => false,
         }
     }
@@ -404,8 +409,9 @@ fn picked<S: FfiSelect + ?Sized>(g: &Graph, id: NodeId, sel: &S) -> bool {
 }
 
 /// Whether node `id` of `g` becomes a libtorch kernel call under `sel`, and how:
-/// convolutions whose weight comes from frozen variables, with the elementwise ops after them
-/// ([`PACKED_CONV_TARGET`], see the `packed` module), other convolutions ([`CONV_TARGET`],
+/// convolutions and `Linear` products whose weight comes from frozen variables, with the
+/// elementwise ops after them ([`PACKED_CONV_TARGET`], [`PACKED_LINEAR_TARGET`], see the
+/// `packed` and `packed_linear` modules), other convolutions ([`CONV_TARGET`],
 /// reading through autograd's kernel reversal and operand transposes, see [`ConvForm`]), the
 /// transpose that turns a weight-gradient convolution into the weight gradient, and dots
 /// ([`DOT_TARGET`]). `None`: XLA lowers the node.
@@ -415,6 +421,14 @@ pub fn ffi_lowering<S: FfiSelect + ?Sized>(g: &Graph, id: NodeId, mode: &S) -> O
     if matches!(n.op, Op::Conv(_) | Op::Binary(_)) {
         if let Some(p) = packed::packed_chain_of(g, id, &|c| picked(g, c, mode)) {
             return Some(packed::lowering(g, id, &p));
+        }
+    }
+    if matches!(
+        n.op,
+        Op::DotGeneral(_) | Op::Binary(_) | Op::Unary(crate::ir::UnaryOp::Erf)
+    ) {
+        if let Some(p) = packed_linear::packed_linear_chain_of(g, id, &|d| picked(g, d, mode)) {
+            return Some(packed_linear::lowering(g, id, &p));
         }
     }
     match &n.op {

@@ -67,6 +67,37 @@ extern "C" {
         unary_algorithm: *const *const c_char,
         ret0: *mut Handle,
     ) -> i32;
+
+    fn aoti_torch_cpu__linear_pointwise(
+        x: Handle,
+        w: Handle,
+        b: *mut Handle,
+        attr: *const c_char,
+        scalars: *const *const f64,
+        scalars_len: i64,
+        algorithm: *const *const c_char,
+        ret0: *mut Handle,
+    ) -> i32;
+
+    fn aoti_torch_cpu__linear_pointwise_binary(
+        x: Handle,
+        other: Handle,
+        w: Handle,
+        b: *mut Handle,
+        attr: *const c_char,
+        ret0: *mut Handle,
+    ) -> i32;
+
+    fn aoti_torch_new_tensor_handle(orig: Handle, new: *mut Handle) -> i32;
+
+    /// Calls an operator by name with a stack of `StableIValue`s (u64): a tensor argument is
+    /// an owning handle the call consumes, `None` is 0; the results replace the arguments,
+    /// each tensor a new owning handle.
+    fn aoti_torch_call_dispatcher(
+        op: *const c_char,
+        overload: *const c_char,
+        stack: *mut u64,
+    ) -> i32;
 }
 
 /// The geometry of a 2-d convolution oneDNN runs: symmetric padding, window strides, kernel
@@ -87,15 +118,24 @@ pub(crate) enum Activation {
     Relu,
     /// `min(max(x, lo), hi)` (oneDNN's "hardtanh"; ReLU6 is `(0, 6)`).
     Clamp(f64, f64),
+    /// `x · (1 + erf(x / √2)) / 2` (linear only).
+    Gelu,
 }
 
 impl Activation {
-    /// The pointwise op's `attr` and scalars.
-    fn attr(&self) -> (&'static std::ffi::CStr, Vec<f64>) {
+    /// The pointwise op's `attr`, scalars and algorithm.
+    fn attr(
+        &self,
+    ) -> (
+        &'static std::ffi::CStr,
+        Vec<f64>,
+        Option<&'static std::ffi::CStr>,
+    ) {
         match *self {
-            Activation::None => (c"none", vec![]),
-            Activation::Relu => (c"relu", vec![]),
-            Activation::Clamp(lo, hi) => (c"hardtanh", vec![lo, hi]),
+            Activation::None => (c"none", vec![], None),
+            Activation::Relu => (c"relu", vec![], None),
+            Activation::Clamp(lo, hi) => (c"hardtanh", vec![lo, hi], None),
+            Activation::Gelu => (c"gelu", vec![], Some(c"none")),
         }
     }
 }
@@ -138,7 +178,10 @@ pub(crate) fn conv_pointwise(
             bias.map(|b| b.size()),
         ))
     };
-    let (attr, scalars) = act.attr();
+    let (attr, scalars, algorithm) = act.attr();
+    if algorithm.is_some() {
+        return Err(fail(" (no GELU in a convolution's epilogue)"));
+    }
     let scalar_ptrs: Vec<*const f64> = scalars.iter().map(std::ptr::from_ref).collect();
     let mut b = bias.map_or(std::ptr::null_mut(), handle);
     let b_ptr: *mut Handle = if b.is_null() {
@@ -178,7 +221,9 @@ pub(crate) fn conv_pointwise(
             let unary: *const c_char = match act {
                 Activation::None => std::ptr::null(),
                 Activation::Relu => attr.as_ptr(),
-                Activation::Clamp(..) => return Err(fail(".binary (no clamp after a sum)")),
+                Activation::Clamp(..) | Activation::Gelu => {
+                    return Err(fail(".binary (no clamp after a sum)"))
+                }
             };
             let mut alpha = 1.0f64;
             // SAFETY: as above; `unary` points to a NUL-terminated string for the call and
@@ -216,6 +261,111 @@ pub(crate) fn conv_pointwise(
     }
     // SAFETY: on success `ret` is a new heap `at::Tensor*` owned by the caller, exactly what
     // a `tch::Tensor` owns (freed by its drop).
+    Ok(unsafe { Tensor::from_ptr(ret.cast()) })
+}
+
+/// Packs an f32 `Linear` weight `[N, K]` (dense) in oneDNN's layout for its matrix product
+/// (`mkldnn::_reorder_linear_weight`, called through libtorch's dispatcher).
+pub(crate) fn pack_linear_weight(w: &Tensor) -> Result<Tensor> {
+    let w = w.f_contiguous()?;
+    let mut arg: Handle = std::ptr::null_mut();
+    // SAFETY: `w` is a live tensor; `arg` receives a new owning handle on it.
+    if unsafe { aoti_torch_new_tensor_handle(handle(&w), &mut arg) } != 0 || arg.is_null() {
+        return Err(Error::Invalid("libtorch: no new tensor handle".into()));
+    }
+    // (weight, batch_size = None)
+    let mut stack: [u64; 2] = [arg as u64, 0];
+    // SAFETY: the op's schema is `(Tensor self, int? batch_size=None) -> Tensor`; the stack
+    // holds its two arguments (an owning handle, consumed by the call, and None) and has room
+    // for its one result, a new owning handle.
+    let status = unsafe {
+        aoti_torch_call_dispatcher(
+            c"mkldnn::_reorder_linear_weight".as_ptr(),
+            c"".as_ptr(),
+            stack.as_mut_ptr(),
+        )
+    };
+    if status != 0 || stack[0] == 0 {
+        return Err(Error::Invalid(format!(
+            "libtorch's mkldnn::_reorder_linear_weight failed on a weight of {:?} (libtorch's message is on stderr)",
+            w.size()
+        )));
+    }
+    // SAFETY: on success `stack[0]` is a new owning `at::Tensor*`.
+    Ok(unsafe { Tensor::from_ptr(stack[0] as Handle as *mut _) })
+}
+
+/// `act(x · wᵀ + bias [+ other])` by oneDNN: `x` an f32 `[.., K]` contiguous tensor, `w` a
+/// weight packed by [`pack_linear_weight`], `bias` `[N]`, `other` shaped like the result. The
+/// result is a new contiguous `[.., N]` tensor. With `other` there is no activation.
+pub(crate) fn linear_pointwise(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    other: Option<&Tensor>,
+    act: Activation,
+) -> Result<Tensor> {
+    let fail = |what: &str| {
+        Error::Invalid(format!(
+            "libtorch's mkldnn::_linear_pointwise{what} failed on an input of {:?} with a packed weight of {:?}, bias {:?}, {act:?} (libtorch's message is on stderr)",
+            x.size(),
+            w.size(),
+            bias.map(|b| b.size()),
+        ))
+    };
+    let (attr, scalars, algorithm) = act.attr();
+    let scalar_ptrs: Vec<*const f64> = scalars.iter().map(std::ptr::from_ref).collect();
+    let algorithm_ptr: *const c_char = algorithm.map_or(std::ptr::null(), |a| a.as_ptr());
+    let mut b = bias.map_or(std::ptr::null_mut(), handle);
+    let b_ptr: *mut Handle = if b.is_null() {
+        std::ptr::null_mut()
+    } else {
+        &mut b
+    };
+    let mut ret: Handle = std::ptr::null_mut();
+    let status = match other {
+        None => {
+            // SAFETY: live handles borrowed for the call; `b_ptr` null or pointing to a live
+            // handle; `scalars` holds `scalars_len` pointers to live f64s; `algorithm` null
+            // (none) or pointing to a NUL-terminated string; `ret` receives an owned handle.
+            unsafe {
+                aoti_torch_cpu__linear_pointwise(
+                    handle(x),
+                    handle(w),
+                    b_ptr,
+                    attr.as_ptr(),
+                    scalar_ptrs.as_ptr(),
+                    scalar_ptrs.len() as i64,
+                    if algorithm_ptr.is_null() {
+                        std::ptr::null()
+                    } else {
+                        &algorithm_ptr
+                    },
+                    &mut ret,
+                )
+            }
+        }
+        Some(o) => {
+            if act != Activation::None {
+                return Err(fail(".binary (no activation after a sum)"));
+            }
+            // SAFETY: as above.
+            unsafe {
+                aoti_torch_cpu__linear_pointwise_binary(
+                    handle(x),
+                    handle(o),
+                    handle(w),
+                    b_ptr,
+                    c"add".as_ptr(),
+                    &mut ret,
+                )
+            }
+        }
+    };
+    if status != 0 || ret.is_null() {
+        return Err(fail(if other.is_some() { ".binary" } else { "" }));
+    }
+    // SAFETY: on success `ret` is a new owning `at::Tensor*`.
     Ok(unsafe { Tensor::from_ptr(ret.cast()) })
 }
 
@@ -292,6 +442,7 @@ mod tests {
                         Activation::None => sum,
                         Activation::Relu => sum.relu(),
                         Activation::Clamp(lo, hi) => sum.clamp(lo, hi),
+                        Activation::Gelu => sum.gelu("none"),
                     };
                     let got =
                         conv_pointwise(&x, &w, Some(&b), with_other.then_some(&other), &geo, act)
@@ -334,5 +485,51 @@ mod tests {
         let want = x.conv2d(&w, None::<Tensor>, [1, 1], [1, 1], [1, 1], 1);
         let d = (got - want).abs().max().double_value(&[]);
         assert!(d < 1e-4, "{d}");
+    }
+
+    /// Each linear epilogue against float64, within float32 rounding of the products.
+    #[test]
+    fn packed_linears_match_float64() {
+        for (i, &(m, k, n)) in [(4usize, 40usize, 24usize), (2 * 7, 64, 33), (1, 300, 5)]
+            .iter()
+            .enumerate()
+        {
+            let x64 = seeded(&[m as i64, k as i64], 40 + i as u64).reshape([-1, 1, k as i64]);
+            let x64 = x64.reshape([m as i64, k as i64]);
+            let w64 = seeded(&[n as i64, k as i64], 41 + i as u64);
+            let b64 = seeded(&[n as i64], 42 + i as u64);
+            let o64 = seeded(&[m as i64, n as i64], 43 + i as u64);
+            let lin = x64.linear(&w64, Some(&b64));
+            let mag = x64.abs().linear(&w64.abs(), Some(&b64.abs())) + o64.abs();
+            let w = pack_linear_weight(&w64.to_kind(Kind::Float)).unwrap();
+            let (x, b, o) = (
+                x64.to_kind(Kind::Float),
+                b64.to_kind(Kind::Float),
+                o64.to_kind(Kind::Float),
+            );
+            for (act, other) in [
+                (Activation::None, false),
+                (Activation::Relu, false),
+                (Activation::Gelu, false),
+                (Activation::None, true),
+            ] {
+                let want = match (act, other) {
+                    (_, true) => &lin + &o64,
+                    (Activation::Relu, _) => lin.relu(),
+                    (Activation::Gelu, _) => lin.gelu("none"),
+                    _ => lin.copy(),
+                };
+                let got = linear_pointwise(&x, &w, Some(&b), other.then_some(&o), act).unwrap();
+                let bound = &mag * (4.0 * f32::EPSILON as f64 * (k as f64).sqrt()) + 1e-30;
+                let worst = ((got.to_kind(Kind::Double) - &want).abs() / bound)
+                    .max()
+                    .double_value(&[]);
+                assert!(
+                    worst <= 1.0,
+                    "case {i} {act:?} other={other}: {worst} × the bound"
+                );
+            }
+            assert!(linear_pointwise(&x, &w, None, Some(&o), Activation::Relu).is_err());
+        }
     }
 }

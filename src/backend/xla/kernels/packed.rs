@@ -83,7 +83,7 @@ pub(crate) struct PackedConv {
 
 /// The graph inputs node `id` is computed from, if all are variables the graph does not
 /// update (and constants), appended to `out` once each; `false` otherwise.
-fn frozen_sources(
+pub(super) fn frozen_sources(
     g: &Graph,
     id: NodeId,
     seen: &mut HashSet<NodeId>,
@@ -119,7 +119,7 @@ fn frozen_sources(
 }
 
 /// The only user of `id`, if it has exactly one, uses it once, and `id` is not an output.
-fn single_user(g: &Graph, id: NodeId) -> Option<NodeId> {
+pub(super) fn single_user(g: &Graph, id: NodeId) -> Option<NodeId> {
     if g.outputs().contains(&id) {
         return None;
     }
@@ -156,7 +156,7 @@ fn per_channel(g: &Graph, b: NodeId) -> Option<NodeId> {
 }
 
 /// If `b` is a broadcast of a scalar constant (or a splat constant), its value.
-fn splat(g: &Graph, b: NodeId) -> Option<f64> {
+pub(super) fn splat(g: &Graph, b: NodeId) -> Option<f64> {
     let n = g.node(b);
     match &n.op {
         Op::Constant(l) => l.splat_value(),
@@ -169,7 +169,7 @@ fn splat(g: &Graph, b: NodeId) -> Option<f64> {
 }
 
 /// The operand of binary node `u` other than `cur`, if `u` is `op`.
-fn other_operand(g: &Graph, u: NodeId, cur: NodeId, op: BinaryOp) -> Option<NodeId> {
+pub(super) fn other_operand(g: &Graph, u: NodeId, cur: NodeId, op: BinaryOp) -> Option<NodeId> {
     let n = g.node(u);
     match n.op {
         Op::Binary(b) if b == op => match n.operands[..] {
@@ -424,6 +424,7 @@ pub(crate) fn lowering(g: &Graph, id: NodeId, p: &PackedConv) -> FfiLowering {
         Activation::None => (0, 0.0, 0.0),
         Activation::Relu => (1, 0.0, 0.0),
         Activation::Clamp(lo, hi) => (2, lo, hi),
+        Activation::Gelu => (3, 0.0, 0.0),
     };
     let ints = |v: &[i64]| {
         let s: Vec<String> = v.iter().map(i64::to_string).collect();
@@ -497,6 +498,7 @@ impl FfiKernel for PackedConvKernel {
             0 => Activation::None,
             1 => Activation::Relu,
             2 => Activation::Clamp(call.attr_f64("lo")?, call.attr_f64("hi")?),
+            3 => Activation::Gelu,
             a => return Err(Error::Invalid(format!("unknown activation {a}"))),
         };
         let pair = |name: &str| -> Result<[i64; 2]> {

@@ -1,6 +1,8 @@
 //! Registering the kernels with a plugin and checking them once.
 
-use super::{conv_call_mlir, dot_call_mlir, ConvKernel, DotKernel, PackedConvKernel};
+use super::{
+    conv_call_mlir, dot_call_mlir, ConvKernel, DotKernel, PackedConvKernel, PackedLinearKernel,
+};
 use crate::backend::xla::lower::tensor_type;
 use crate::error::{Error, Result};
 use crate::ir::{ConvAttrs, DType, DotDims, TensorType};
@@ -23,6 +25,7 @@ pub(crate) fn enable(backend: &crate::backend::xla::XlaBackend) -> std::result::
     api.register_ffi_kernel::<ConvKernel>()
         .and_then(|()| api.register_ffi_kernel::<DotKernel>())
         .and_then(|()| api.register_ffi_kernel::<PackedConvKernel>())
+        .and_then(|()| api.register_ffi_kernel::<PackedLinearKernel>())
         .map_err(|e| format!("registering the FFI handlers failed: {e}"))?;
     self_test(backend).map_err(|e| format!("the FFI self-test failed: {e}"))
 }

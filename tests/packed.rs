@@ -1,11 +1,11 @@
-//! Packed convolutions (frozen weights, oneDNN, fused epilogues) end to end: zoo models'
-//! compiled inference against their float64 twins, and packed weights that follow every
-//! change of the variables they were made from.
+//! Packed convolutions and linears (frozen weights, oneDNN, fused epilogues) end to end: zoo
+//! models' compiled inference against their float64 twins, and packed weights that follow
+//! every change of the variables they were made from.
 //!
 //! A test binary of its own: the packed-weight cache's counters are process-wide.
 
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::kernels::{self, PACKED_CONV_TARGET};
+use kiln::backend::xla::kernels::{self, PACKED_CONV_TARGET, PACKED_LINEAR_TARGET};
 use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::ir::DType;
 use kiln::nn::ParamStore;
@@ -82,23 +82,37 @@ fn rel_err(got: &[f64], want: &[f64]) -> f64 {
         / scale
 }
 
-/// Compiled inference of CNNs whose every convolution is a packed one (BatchNorm folded,
-/// ReLU / ReLU6 and residual sums fused) against the float64 twin: the error is bounded by a
-/// small multiple of what float32 costs eager libtorch on the same model, plus a floor.
+/// Compiled inference of zoo models whose convolutions and linears are packed (BatchNorm
+/// folded, ReLU / ReLU6 / GELU, biases and residual sums fused) against the float64 twin:
+/// the error is bounded by a small multiple of what float32 costs eager libtorch on the same
+/// model, plus a floor.
 #[test]
-fn zoo_cnns_with_packed_convolutions_match_float64() {
+fn zoo_models_with_packed_kernels_match_float64() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    for (name, convs) in [
-        ("resnet18", 20),
-        ("mobilenet_v2", 52),
-        ("squeezenet1_1", 26),
-        ("resnext50_32x4d", 53),
+    // (model, packed convolutions, packed linears)
+    for (name, convs, linears) in [
+        ("resnet18", 20, 1),
+        ("mobilenet_v2", 52, 1),
+        ("squeezenet1_1", 26, 0),
+        ("resnext50_32x4d", 53, 1),
+        ("alexnet", 5, 3),
+        ("bert", 0, 16),
+        ("vit", 1, 17),
     ] {
         let model = SharedModel::new(zoo::build(name, 0).unwrap());
         randomize_batch_norm(&model, 77);
         let twin = f64_twin(name, &model);
         let xs = model.example_inputs(2, 5).unwrap();
-        let xs64: Vec<Tensor> = xs.iter().map(|x| x.to_dtype(DType::F64).unwrap()).collect();
+        let xs64: Vec<Tensor> = xs
+            .iter()
+            .map(|x| {
+                if x.dtype().is_float() {
+                    x.to_dtype(DType::F64).unwrap()
+                } else {
+                    x.clone()
+                }
+            })
+            .collect();
         let want = values(&twin.forward(&xs64, false).unwrap());
         let eager = values(&model.forward(&xs, false).unwrap());
 
@@ -111,9 +125,12 @@ fn zoo_cnns_with_packed_convolutions_match_float64() {
             .unwrap()
             .to_string();
         assert_eq!(
-            text.matches(PACKED_CONV_TARGET).count(),
-            convs,
-            "{name}: every convolution packed"
+            (
+                text.matches(PACKED_CONV_TARGET).count(),
+                text.matches(PACKED_LINEAR_TARGET).count()
+            ),
+            (convs, linears),
+            "{name}: packed convolutions and linears"
         );
         assert!(!text.contains("stablehlo.convolution"), "{name}");
         for call in 0..3 {
@@ -160,20 +177,23 @@ fn packed_weights_follow_every_change_of_their_variables() {
     }
     let s = kernels::weight_cache_stats();
     assert_eq!(s.packs, packs, "repeated calls pack nothing: {s:?}");
-    assert!(s.cached >= 20, "{s:?}");
+    assert!(s.cached >= 21, "{s:?}");
 
-    // A new weight through the runtime.
-    let (wname, w) = model
-        .store()
-        .vars()
-        .into_iter()
-        .find(|(n, _)| n == "layer2.0.conv1.weight")
-        .unwrap();
-    let new = w.mul_scalar(-1.5).unwrap().to_host().unwrap();
-    model.store().set(&wname, &new).unwrap();
-    f.runtime().set_var(&w, &new).unwrap();
-    check(&mut f, "after set_var");
-    assert!(kernels::weight_cache_stats().packs > packs);
+    // New weights through the runtime: a convolution's and the classifier's (a linear).
+    for name in ["layer2.0.conv1.weight", "fc.weight"] {
+        let (wname, w) = model
+            .store()
+            .vars()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .unwrap();
+        let packs = kernels::weight_cache_stats().packs;
+        let new = w.mul_scalar(-1.5).unwrap().to_host().unwrap();
+        model.store().set(&wname, &new).unwrap();
+        f.runtime().set_var(&w, &new).unwrap();
+        check(&mut f, &format!("after set_var of {name}"));
+        assert_eq!(kernels::weight_cache_stats().packs, packs + 1, "{name}");
+    }
 
     // New BatchNorm statistics through the store.
     randomize_batch_norm(&model, 11);
