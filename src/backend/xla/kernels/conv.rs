@@ -1,6 +1,7 @@
 //! The convolution kernel ([`CONV_TARGET`](super::CONV_TARGET)): `Op::Conv` computed by
 //! libtorch, in each [`ConvForm`].
 
+use super::onednn::{self, Activation, Geometry};
 use super::{torch_lock, ConvForm, CONV_TARGET};
 use crate::backend::eager::batch_groups_to_channels;
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
@@ -299,6 +300,14 @@ pub fn weight_gradient_direct(c: &ConvAttrs, x: &TensorType, k: &TensorType) -> 
     slow_weight_gradient(c, &x.shape.to_i64(), &k.shape.to_i64())
 }
 
+/// From this many output positions per image (`H' · W'` of the cotangent) an f32 2-d weight
+/// gradient runs on oneDNN's own weight-gradient kernel; below, as im2col and one oneDNN
+/// matrix product. Measured on a 2-vCPU Zen 5, batch 4, µs, oneDNN / im2col + product:
+/// 3→64 7×7/2 at 32×32 outputs 353 / 3,418, 64→64 3×3 at 16×16 330 / 940, 128→128 at 8×8
+/// 364 / 556, 128→256/2 at 4×4 327 / 186, 256→512/2 at 2×2 707 / 265, 512→512 at 2×2
+/// 9,454 / 455 (oneDNN's kernel is poor with many channels on few positions).
+const ONEDNN_WEIGHT_GRADIENT_MIN_OUTPUTS: i64 = 64;
+
 /// The [`ConvForm::WeightGradient`] convolution of input `x` and cotangent `ct`, written
 /// into `out` (contiguous; `[C/g, O, *k]`, or `[O, C/g, *k]` when `transposed`).
 fn weight_gradient_into(
@@ -315,19 +324,44 @@ fn weight_gradient_into(
     let n = c.strides.len();
     let mut out = out.shallow_clone();
     if slow_weight_gradient(c, &lhs_dims, &rhs_dims) {
-        // libtorch's own CPU weight gradient (as `_slow_conv2d_backward` computes it):
-        // patches [N, C*kh*kw, L] of the padded input times the cotangent [N, O, L], as one
-        // matrix product over N*L: dW [O, C*kh*kw], the transposed result.
         let fwd_stride: Vec<i64> = c.rhs_dilation.iter().map(|&v| v as i64).collect();
         let pad: Vec<i64> = c.padding.iter().map(|p| p.0).collect();
         let ksz: Vec<i64> = want[2..].to_vec();
-        let cols = x.f_im2col(&ksz, [1i64, 1], &pad, &fwd_stride)?;
         let (nb, o, ck, l) = (xs[0], cs[1], xs[1] * ksz[0] * ksz[1], cs[2] * cs[3]);
+        let write = |dw: &Tensor, out: &mut Tensor| -> Result<()> {
+            // dw: [O, C*kh*kw] in the weight's layout.
+            if transposed {
+                out.f_view([o, ck])?.f_copy_(&dw.f_view([o, ck])?)?;
+            } else {
+                out.f_copy_(&dw.f_view([o, xs[1], ksz[0], ksz[1]])?.f_transpose(0, 1)?)?;
+            }
+            Ok(())
+        };
+        if x.kind() == tch::Kind::Float && l >= ONEDNN_WEIGHT_GRADIENT_MIN_OUTPUTS {
+            // oneDNN's weight gradient, as eager autograd runs it.
+            let geo = Geometry {
+                padding: [pad[0], pad[1]],
+                stride: [fwd_stride[0], fwd_stride[1]],
+                dilation: [1, 1],
+                groups: 1,
+            };
+            let dw = onednn::conv_weight_gradient(x, ct, [o, xs[1], ksz[0], ksz[1]], &geo)?;
+            return write(&dw, &mut out);
+        }
+        // libtorch's own CPU weight gradient (as `_slow_conv2d_backward` computes it):
+        // patches [N, C*kh*kw, L] of the padded input times the cotangent [N, O, L], as one
+        // matrix product over N*L: dW [O, C*kh*kw], the transposed result (oneDNN's matrix
+        // product for f32, MKL's for f64).
+        let cols = x.f_im2col(&ksz, [1i64, 1], &pad, &fwd_stride)?;
         let a = ct
             .f_reshape([nb, o, l])?
             .f_permute([1i64, 0, 2])?
             .f_reshape([o, nb * l])?;
         let b = cols.f_permute([1i64, 0, 2])?.f_reshape([ck, nb * l])?;
+        if x.kind() == tch::Kind::Float {
+            let dw = onednn::linear_pointwise(&a, &b, None, None, Activation::None)?;
+            return write(&dw, &mut out);
+        }
         if transposed {
             let _ = a.f_mm_out(&out.f_view([o, ck])?, &b.f_tr()?)?;
         } else {

@@ -88,6 +88,29 @@ extern "C" {
         ret0: *mut Handle,
     ) -> i32;
 
+    fn aoti_torch_cpu_convolution_backward(
+        grad_output: Handle,
+        input: Handle,
+        weight: Handle,
+        bias_sizes: *const *const i64,
+        bias_sizes_len: i64,
+        stride: *const i64,
+        stride_len: i64,
+        padding: *const i64,
+        padding_len: i64,
+        dilation: *const i64,
+        dilation_len: i64,
+        transposed: i32,
+        output_padding: *const i64,
+        output_padding_len: i64,
+        groups: i64,
+        output_mask: *const i32,
+        output_mask_len: i64,
+        ret0: *mut Handle,
+        ret1: *mut Handle,
+        ret2: *mut Handle,
+    ) -> i32;
+
     fn aoti_torch_new_tensor_handle(orig: Handle, new: *mut Handle) -> i32;
 
     /// Calls an operator by name with a stack of `StableIValue`s (u64): a tensor argument is
@@ -262,6 +285,68 @@ pub(crate) fn conv_pointwise(
     // SAFETY: on success `ret` is a new heap `at::Tensor*` owned by the caller, exactly what
     // a `tch::Tensor` owns (freed by its drop).
     Ok(unsafe { Tensor::from_ptr(ret.cast()) })
+}
+
+/// The weight gradient of a 2-d convolution (`at::convolution_backward` with only the weight's
+/// gradient asked for, which libtorch runs on oneDNN for f32, as eager autograd does): the
+/// forward input `x` `[N, C, H, W]`, the cotangent `ct` `[N, O, H', W']`, the weight's dims
+/// `[O, C/g, kh, kw]` and the forward geometry. Returns a new `[O, C/g, kh, kw]` tensor.
+pub(crate) fn conv_weight_gradient(
+    x: &Tensor,
+    ct: &Tensor,
+    weight_dims: [i64; 4],
+    geo: &Geometry,
+) -> Result<Tensor> {
+    // Only the weight's dims and type are read.
+    let w = Tensor::f_empty(weight_dims, (x.kind(), x.device()))?;
+    let (x, ct) = (x.f_contiguous()?, ct.f_contiguous()?);
+    let zeros = [0i64; 2];
+    let mask = [0i32, 1, 0];
+    let mut rets: [Handle; 3] = [std::ptr::null_mut(); 3];
+    let [r0, r1, r2] = &mut rets;
+    // SAFETY: live tensors borrowed for the call; every array holds the length passed; no
+    // bias sizes (null); `rets` receive three owned handles (undefined tensors for the
+    // gradients not asked for).
+    let status = unsafe {
+        aoti_torch_cpu_convolution_backward(
+            handle(&ct),
+            handle(&x),
+            handle(&w),
+            std::ptr::null(),
+            0,
+            geo.stride.as_ptr(),
+            2,
+            geo.padding.as_ptr(),
+            2,
+            geo.dilation.as_ptr(),
+            2,
+            0,
+            zeros.as_ptr(),
+            2,
+            geo.groups,
+            mask.as_ptr(),
+            3,
+            r0,
+            r1,
+            r2,
+        )
+    };
+    let mut owned: Vec<Option<Tensor>> = rets
+        .iter()
+        .map(|&h| {
+            // SAFETY: a non-null handle the call returned is an owned `at::Tensor*`: wrapped
+            // so that it is freed.
+            (!h.is_null()).then(|| unsafe { Tensor::from_ptr(h.cast()) })
+        })
+        .collect();
+    match owned[1].take() {
+        Some(dw) if status == 0 && dw.defined() => Ok(dw),
+        _ => Err(Error::Invalid(format!(
+            "libtorch's convolution_backward (weight) failed on an input of {:?}, a cotangent of {:?}, weight {weight_dims:?}, {geo:?} (libtorch's message is on stderr)",
+            x.size(),
+            ct.size()
+        ))),
+    }
 }
 
 /// Packs an f32 `Linear` weight `[N, K]` (dense) in oneDNN's layout for its matrix product
