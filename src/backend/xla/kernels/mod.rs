@@ -61,8 +61,8 @@ pub use mlir::{
 pub use packed::{packed_conv_enabled, PACKED_CONV_TARGET};
 pub use packed_linear::PACKED_LINEAR_TARGET;
 pub use threads::{
-    handoff, reset_stats, serialized, set_handoff, set_serialized, set_threads, stats, threads,
-    torch_lock, KernelGuard, KernelStats,
+    handoff, idle_pause, reset_stats, serialized, set_handoff, set_idle_pause, set_serialized,
+    set_threads, stats, threads, torch_lock, KernelGuard, KernelStats,
 };
 pub use weights::{clear_weight_cache, weight_cache_stats, WeightCacheStats};
 

@@ -14,7 +14,9 @@
 //! handler hands its job over only if some thread is serving at that moment, and blocks until
 //! that thread ran it; otherwise (the program runs on the caller's thread inside `Execute`,
 //! or nobody waits) it runs the job itself. A serving thread leaves only with the queue
-//! empty, checked under the same lock, so no job is stranded.
+//! empty, checked under the same lock, so no job is stranded. A serving thread that ran jobs
+//! and then waits longer than `IDLE_PAUSE_US` for the next ends its OpenMP team, whose
+//! threads would otherwise spin on the CPUs XLA's workers use (`kernels::set_idle_pause`).
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::any::Any;
@@ -82,6 +84,7 @@ fn wanted() -> &'static AtomicBool {
 
 /// Notes that kernels are registered with a plugin: waits now serve (if wanted).
 pub(crate) fn enable() {
+    idle_pause_from_env();
     REGISTERED.store(true, Ordering::Relaxed);
 }
 
@@ -181,13 +184,32 @@ impl Handoff {
     pub(crate) fn serve_until(&self, ready: impl Fn() -> bool) {
         let mut queue = self.queue.lock();
         queue.serving += 1;
+        let mut ran = false;
         loop {
             if let Some(job) = queue.jobs.pop_front() {
                 MutexGuard::unlocked(&mut queue, || execute(job));
+                ran = true;
                 continue;
             }
             if ready() {
                 break;
+            }
+            if ran {
+                let us = IDLE_PAUSE_US.load(Ordering::Relaxed);
+                if us < u64::MAX {
+                    let timed_out = us == 0
+                        || self
+                            .wake
+                            .wait_for(&mut queue, std::time::Duration::from_micros(us))
+                            .timed_out();
+                    if timed_out && queue.jobs.is_empty() && !ready() {
+                        // Idle after kernels: stop this thread's OpenMP team spinning on the
+                        // CPUs XLA's workers need (see `kernels::set_idle_pause`).
+                        MutexGuard::unlocked(&mut queue, pause_openmp);
+                        ran = false;
+                    }
+                    continue;
+                }
             }
             self.wake.wait(&mut queue);
         }
@@ -252,6 +274,49 @@ fn serial_libtorch_here() {
         {
             f(1);
         }
+    }
+}
+
+/// After how many µs without a job a serving thread that ran kernels stops its OpenMP team
+/// (`u64::MAX`: never); see `kernels::set_idle_pause`.
+pub(crate) static IDLE_PAUSE_US: AtomicU64 = AtomicU64::new(300);
+
+/// Reads `KILN_OMP_PAUSE_US` (µs, or `off`), once.
+fn idle_pause_from_env() {
+    static READ: OnceLock<()> = OnceLock::new();
+    READ.get_or_init(|| {
+        if let Ok(v) = std::env::var("KILN_OMP_PAUSE_US") {
+            let us = if v.eq_ignore_ascii_case("off") {
+                Some(u64::MAX)
+            } else {
+                v.parse::<u64>().ok().map(|u| u.min(u64::MAX - 1))
+            };
+            if let Some(us) = us {
+                IDLE_PAUSE_US.store(us, Ordering::Relaxed);
+            }
+        }
+    });
+}
+
+/// Ends this thread's OpenMP team (libgomp's `omp_pause_resource_all(omp_pause_soft)`),
+/// so that its threads stop spinning; nothing if libgomp is not in the process.
+fn pause_openmp() {
+    type Pause = unsafe extern "C" fn(c_int) -> c_int;
+    static PAUSE: OnceLock<Option<Pause>> = OnceLock::new();
+    let pause = PAUSE.get_or_init(|| {
+        let this = libloading::os::unix::Library::this();
+        // SAFETY: the symbol, if present, is libgomp's
+        // `int omp_pause_resource_all(omp_pause_resource_t kind)`.
+        unsafe {
+            this.get::<Pause>(b"omp_pause_resource_all\0")
+                .ok()
+                .map(|s| *s)
+        }
+    });
+    if let Some(pause) = pause {
+        // SAFETY: `omp_pause_soft` is 1; the call is made outside any parallel region (a
+        // serving thread between jobs), where it only releases this thread's thread pool.
+        unsafe { pause(1) };
     }
 }
 
@@ -327,6 +392,21 @@ mod tests {
             assert_eq!(*v, 4.0 + i as f64);
         }
         assert_eq!(h.handed_over(), 4);
+    }
+
+    #[test]
+    fn jobs_after_an_idle_pause_still_run_on_the_serving_thread() {
+        let (h, ready, server) = served();
+        let first = h.run(|| thread::current().id());
+        // Longer than the default idle pause: the server stops its (here absent or empty)
+        // OpenMP team in between and keeps serving.
+        thread::sleep(Duration::from_millis(5));
+        let second = h.run(|| (0..1000).map(f64::from).sum::<f64>());
+        ready.store(true, Ordering::Relaxed);
+        h.notify();
+        assert_eq!(server.join().unwrap(), first);
+        assert_eq!(second, 499_500.0);
+        assert_eq!(h.handed_over(), 2);
     }
 
     #[test]
