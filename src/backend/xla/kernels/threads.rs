@@ -67,17 +67,19 @@ pub fn handoff() -> bool {
 }
 
 /// After how long without a kernel job a waiting thread stops its OpenMP team (`None`:
-/// never). Default 300 µs, or `KILN_OMP_PAUSE_US` (`off` for never).
+/// never, the default; `KILN_OMP_PAUSE_US` sets it too, in µs or `off`).
 ///
-/// Why: after a kernel, libgomp's team threads spin for a few milliseconds waiting for the
-/// next parallel region (OpenMP's default wait policy), on the CPUs XLA's workers need for
-/// the elementwise work between kernels. A waiting thread that has run kernels and then gets
-/// no job for this long calls `omp_pause_resource_all`, which ends its team's threads (the
-/// next kernel starts new ones, ~30 µs). Measured on a 2-vCPU Zen 5, fused training steps,
-/// never / after 300 µs, interleaved in one process (two rounds): squeezenet1_1 18.6 / 17.5
-/// and 19.9 / 16.2 ms, mobilenet_v2 75.2 / 66.7 and 70.8 / 64.2, resnet18 64.5 / 67.2 and
-/// 68.7 / 67.6. Pausing at once (0 µs) made resnet18's kernel-dense steps slower (57.8 ->
-/// 65.0 ms): its short gaps then pay for new threads.
+/// Why: after a kernel, libgomp's team threads spin for milliseconds waiting for the next
+/// parallel region (OpenMP's default wait policy), on the CPUs XLA's workers need for the
+/// elementwise work between kernels (perf of a mobilenet_v2 training loop on 2 vCPUs: 34 % of
+/// samples in libgomp's spin). A waiting thread that has run kernels and then gets no job for
+/// this long calls `omp_pause_resource_all`, which ends its team's threads; the next kernel
+/// starts new ones, whose per-thread state (oneDNN's scratchpads among it) is made anew.
+/// Measured on a 2-vCPU Zen 5, interleaved in one process, never / after 300 µs: fused
+/// training steps of squeezenet1_1 18.6 / 17.5 and 19.9 / 16.2 ms, mobilenet_v2 75.2 / 66.7
+/// and 70.8 / 64.2, resnet18 64.5 / 67.2 and 68.7 / 67.6; but inference, where kernels
+/// follow each other closely (the harness, two runs each): geomean over squeezenet1_1,
+/// mnasnet1_0 and vit 1.38× / 0.86× and 1.33× / 0.96× of eager. Hence off by default.
 pub fn set_idle_pause(after: Option<std::time::Duration>) {
     let us = after.map_or(u64::MAX, |d| d.as_micros().min(u64::MAX as u128 - 1) as u64);
     handoff::IDLE_PAUSE_US.store(us, Ordering::Relaxed);

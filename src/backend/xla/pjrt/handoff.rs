@@ -279,7 +279,7 @@ fn serial_libtorch_here() {
 
 /// After how many µs without a job a serving thread that ran kernels stops its OpenMP team
 /// (`u64::MAX`: never); see `kernels::set_idle_pause`.
-pub(crate) static IDLE_PAUSE_US: AtomicU64 = AtomicU64::new(300);
+pub(crate) static IDLE_PAUSE_US: AtomicU64 = AtomicU64::new(u64::MAX);
 
 /// Reads `KILN_OMP_PAUSE_US` (µs, or `off`), once.
 fn idle_pause_from_env() {
