@@ -54,8 +54,13 @@ pub struct ModelRow {
     pub model: String,
     /// The batch size it ran at.
     pub batch_size: usize,
-    /// Eager's median milliseconds per iteration.
+    /// Eager's median milliseconds per iteration, timed interleaved with the compiled
+    /// variants (each repetition runs eager, then every variant): the speedups' numerator.
     pub eager_ms: Option<f64>,
+    /// Eager's median milliseconds per iteration timed alone, before any compiled run in the
+    /// process (how a user who never ran kiln sees it; a check that the compiled runs do not
+    /// slow eager down).
+    pub eager_alone_ms: Option<f64>,
     /// Eager's peak resident-memory growth during one call in bytes: what the call touched
     /// beyond the memory resident before it (parameters and executables are in neither side's
     /// figure). Measured once, outside the timed runs; `None` where the system cannot measure
@@ -203,6 +208,7 @@ impl Report {
                 c.push(col("accuracy".into(), true, false));
                 c.push(col("batch size".into(), false, true));
                 c.push(col("update noise".into(), false, true));
+                c.push(col("eager alone ms".into(), false, true));
                 c.push(col("eager peak MB".into(), false, true));
                 for v in &self.variants {
                     let s = v.short();
@@ -290,6 +296,7 @@ impl Report {
                 out.push(same(self.accuracy_summary(row)));
                 out.push(same(row.batch_size.to_string()));
                 out.push(same(fmt_sci(row.update_noise)));
+                out.push(same(fmt_opt(row.eager_alone_ms, 5)));
                 out.push(same(fmt_opt(row.eager_peak_bytes.map(megabytes), 3)));
                 for (r, ratio) in results.iter().zip(&ratios) {
                     out.push(same(fmt_opt(*ratio, 4)));
@@ -373,13 +380,36 @@ impl Report {
         }
     }
 
+    /// ` (alone, before them: A ms; interleaved: B ms; geomeans over the models)`, when
+    /// both were timed.
+    fn eager_alone_line(&self) -> String {
+        let pairs: Vec<(f64, f64)> = self
+            .rows
+            .iter()
+            .filter_map(|r| Some((r.eager_alone_ms?, r.eager_ms?)))
+            .filter(|&(a, b)| a > 0.0 && b > 0.0)
+            .collect();
+        if pairs.is_empty() {
+            return String::new();
+        }
+        let g = |f: fn(&(f64, f64)) -> f64| {
+            (pairs.iter().map(|p| f(p).ln()).sum::<f64>() / pairs.len() as f64).exp()
+        };
+        format!(
+            " (geomean eager ms alone, before any compiled run: {:.3}; interleaved: {:.3})",
+            g(|p| p.0),
+            g(|p| p.1)
+        )
+    }
+
     /// The header line saying what ran on how many threads: `eager: libtorch 2 intra-op
-    /// thread(s) (libtorch's default), timed before the compiled runs; compiled: XLA (plugin
-    /// ...), its threads confined to 2 CPU(s) ...` (plus `OMP_WAIT_POLICY` when set).
+    /// thread(s) (libtorch's default), timed interleaved with the compiled runs (alone before
+    /// them: 8.12 / 7.95 ms geomean); compiled: XLA (plugin ...), its threads confined to 2
+    /// CPU(s) ...` (plus `OMP_WAIT_POLICY` when set).
     pub fn threads_line(&self) -> String {
         let t = &self.threads;
         let eager = format!(
-            "eager: libtorch {} intra-op thread(s) ({}){}, timed before the compiled runs",
+            "eager: libtorch {} intra-op thread(s) ({}){}, timed interleaved with the compiled runs{}",
             t.eager,
             if t.eager_default {
                 "libtorch's default"
@@ -389,7 +419,8 @@ impl Report {
             t.omp_wait_policy
                 .as_deref()
                 .map(|p| format!(", OMP_WAIT_POLICY={p}"))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            self.eager_alone_line()
         );
         let detail = self
             .compiled_detail
@@ -553,7 +584,7 @@ impl std::fmt::Display for Report {
             Experiment::Performance => writeln!(
                 f,
                 "{what}; speedup = eager median / compiled median over {} repetitions of {} \
-                 iteration(s) (eager first, variants interleaved, {} warm-up call(s) excluded{}); p = Welch's t-test \
+                 iteration(s) (eager and the variants interleaved, {} warm-up call(s) excluded{}); p = Welch's t-test \
                  (SAME: p > {SAME_THRESHOLD}); compile s = each column's first call (trace + compile + \
                  run), in column order; compression = eager peak memory / compiled peak memory, \
                  each the resident-set growth during one call over the resident set before it \

@@ -206,14 +206,18 @@ pub(crate) fn run(
     let total = units_per_model(opts, variants.len()) * sources.len() as u64;
     let progress = Progress::new(opts.progress, total);
     let n = sources.len();
-    // Phase 1, eager: every model's eager warm-up, reference and timed repetitions, before
-    // any compiled contender runs in this process. libtorch kernels inside XLA executables
-    // used to run on XLA's worker threads, each starting an OpenMP team of its own; once the
-    // process held more OpenMP threads than CPUs, libgomp stopped spinning at barriers in
-    // every team, eager's included (2-vCPU Zen 4: resnet18 eager 12.4 ms alone, 19.5 ms
-    // after a compiled resnet18 had run). Kernels now run on the thread waiting for the
-    // results (`KILN_KERNEL_HANDOFF=off` restores the old way); eager is still timed as a
-    // user runs it: in a process that has not run compiled code.
+    // Phase 1, eager: every model's eager warm-up, reference and timed repetitions ("eager
+    // alone"), before any compiled contender runs in this process: as a user who never ran
+    // kiln sees eager. Phase 2 times eager again, interleaved with the compiled variants, as
+    // torchbench.py does; the speedups use those timings, which see the same machine load
+    // as the compiled ones (on a shared machine the load drifts between phases: eager alone
+    // moved 1.5-2x from one run to the next). Interleaving once slowed eager down: libtorch
+    // kernels inside XLA executables ran on XLA's worker threads, each starting an OpenMP
+    // team, and with more OpenMP threads than CPUs libgomp stopped spinning in every team,
+    // eager's included (resnet18 eager 12.4 ms alone, 19.5 ms after a compiled resnet18).
+    // Kernels now run on the thread that waits for the results, and eager after compiled
+    // runs takes what it takes alone (`examples/eager_interference.rs`: 12.35 / 12.08 ms);
+    // both figures are reported, so a difference would show.
     let mut started = Vec::with_capacity(n);
     for (i, source) in sources.into_iter().enumerate() {
         let name = source.name().to_string();
@@ -224,6 +228,7 @@ pub(crate) fn run(
             batch_size: batch,
             model: name,
             eager_ms: None,
+            eager_alone_ms: None,
             eager_peak_bytes: None,
             error: None,
             results: variants.iter().map(|v| VariantResult::new(*v)).collect(),
@@ -329,19 +334,20 @@ fn workload_for(model: &SharedModel, opts: &BenchOptions) -> Result<Box<dyn Work
     }
 }
 
-/// What phase 1 leaves for phase 2 of one model: the reference results and eager's timings.
+/// What phase 1 leaves for phase 2 of one model: the reference results, eager's contender
+/// and its timings alone.
 struct EagerPart {
     /// Keeps the model alive (the workload shares it).
     _model: SharedModel,
     workload: Box<dyn Workload>,
+    /// Eager, to time again interleaved with the variants (`None` in accuracy mode).
+    eager: Option<Box<dyn Contender>>,
     inputs: Vec<Tensor>,
     reference: Vec<f64>,
     reference_update: Option<Vec<tch::Tensor>>,
     reference_kind: Reference,
     eager_variation: bool,
     update_rtol: f64,
-    /// Seconds per iteration, one per repetition.
-    eager_times: Vec<f64>,
     /// Eager's result for each repetition's input (with `--randomize-input`, where each
     /// repetition's input differs and the compiled results are compared with these).
     expected: Vec<Vec<f64>>,
@@ -436,10 +442,11 @@ fn bench_eager(
                 expected.push(out);
             }
         }
-        row.eager_ms = median(&eager_times).map(|m| m * 1e3);
+        row.eager_alone_ms = median(&eager_times).map(|m| m * 1e3);
     }
     Ok(Some(EagerPart {
         _model: model.clone(),
+        eager: (opts.experiment != Experiment::Accuracy).then_some(eager),
         workload,
         inputs,
         reference,
@@ -447,7 +454,6 @@ fn bench_eager(
         reference_kind,
         eager_variation,
         update_rtol,
-        eager_times,
         expected,
     }))
 }
@@ -472,13 +478,13 @@ fn bench_compiled(
 ) -> Result<()> {
     let EagerPart {
         workload,
+        mut eager,
         inputs,
         reference,
         reference_update,
         reference_kind,
         eager_variation,
         update_rtol,
-        eager_times,
         expected,
         ..
     } = part;
@@ -554,12 +560,18 @@ fn bench_compiled(
         }
     }
 
-    // Timed repetitions, the variants interleaved.
+    // Timed repetitions: eager, then each variant, in every repetition.
     let iters = opts.iterations_per_run;
     let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(opts.repeat); contenders.len()];
+    let mut eager_times = Vec::with_capacity(opts.repeat);
     for rep in 0..opts.repeat {
         progress.detail(format!("{name}: repetition {}/{}", rep + 1, opts.repeat));
         let rep_inputs = repetition_inputs(&inputs, opts, rep)?;
+        if let Some(e) = eager.as_mut() {
+            let t0 = Instant::now();
+            e.run(&rep_inputs, iters)?;
+            eager_times.push(t0.elapsed().as_secs_f64() / iters as f64);
+        }
         for (vi, slot) in contenders.iter_mut().enumerate() {
             let Some(c) = slot else { continue };
             let t0 = Instant::now();
@@ -585,6 +597,7 @@ fn bench_compiled(
     }
 
     let eager_median = median(&eager_times);
+    row.eager_ms = eager_median.map(|m| m * 1e3);
     for (vi, slot) in contenders.iter().enumerate() {
         let r = &mut row.results[vi];
         let Some(c) = slot else { continue };

@@ -22,8 +22,8 @@ use crate::error::{Error, Result};
 // 2-vCPU Zen 4 that made eager itself 1.5–3× slower (resnet18 18.0 vs 12.4 ms, mobilenet_v2
 // 24.5 vs 7.8 ms, bert 16.9 vs 11.3 ms, batch 4), and the default policy's bounded spinning
 // did not stall XLA (compiled resnet18 13.6 ms under `PASSIVE`, 13.9–15.6 ms under the
-// default). Eager is now timed before any compiled run (see `runner::run`), so the two never
-// alternate.
+// default). Eager is timed both alone, before any compiled run, and interleaved with the
+// compiled runs (see `runner::run`).
 
 /// The CPUs this thread may run on (new threads inherit the set).
 pub fn allowed_cpus() -> Result<Vec<usize>> {

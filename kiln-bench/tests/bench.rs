@@ -37,7 +37,11 @@ fn inference_report_rows_columns_and_csv() {
     assert_eq!(row.model, "linear");
     assert_eq!(row.batch_size, 2);
     assert!(row.error.is_none(), "{:?}", row.error);
+    // Eager timed interleaved with the variants (the speedups' numerator) and alone first.
     assert!(row.eager_ms.is_some_and(|ms| ms > 0.0));
+    assert!(row.eager_alone_ms.is_some_and(|ms| ms > 0.0));
+    let text = report.to_string();
+    assert!(text.contains("geomean eager ms alone"), "{text}");
     assert_eq!(row.results.len(), 2);
     for r in &row.results {
         assert!(r.error.is_none(), "{:?}", r.error);
@@ -547,7 +551,7 @@ fn cli_threads_and_plugin() {
     );
     assert!(
         stdout.contains(
-            "eager: libtorch 1 intra-op thread(s) (--threads), timed before the compiled runs"
+            "eager: libtorch 1 intra-op thread(s) (--threads), timed interleaved with the compiled runs"
         ) && stdout.contains("confined to 1 CPU(s)")
             && stdout.contains("plugin ")
             && stdout.contains("PJRT C API"),
