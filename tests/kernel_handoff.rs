@@ -10,7 +10,9 @@ use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::kernels::{self, CONV_TARGET, PACKED_CONV_TARGET};
 use kiln::backend::xla::{FfiMode, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
-use kiln::ir::{BinaryOp, ConvAttrs, DType, Graph, InputKind, Op, TensorType, UnaryOp};
+use kiln::ir::{
+    BinaryOp, ConvAttrs, DType, Graph, InputKind, Literal, Op, ReduceKind, TensorType, UnaryOp,
+};
 use kiln::optim::Sgd;
 use kiln::train::{TrainMode, TrainStep};
 use kiln::zoo::{self, Model, SharedModel};
@@ -22,19 +24,51 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 /// A chain of 3×3 convolutions, each followed by `y · tanh(y)` in XLA: enough XLA work for
 /// its CPU runtime to run the program on its worker threads rather than inside `Execute`
-/// (with `tanh` alone it runs inside). Frozen weights make packed convolutions, weights
-/// updated between calls (as in training) the plain convolution kernel.
+/// (with `tanh` alone it runs inside). Ahead of the chain, XLA sums `tanh` over 2²³ values
+/// and adds nothing of it (`0 · sum`) to `x`: milliseconds of XLA work before the first
+/// kernel, so that the test's thread waits (serves) by then however it is scheduled (on a
+/// loaded machine the first calls of a run otherwise find nobody serving). Frozen weights
+/// make packed convolutions, weights updated between calls (as in training) the plain
+/// convolution kernel.
 fn conv_chain(dtype: DType, frozen: bool) -> (Graph, Vec<TensorType>) {
     let xt = TensorType::new(dtype, [4, 32, 32, 32]);
+    let pt = TensorType::new(dtype, [1 << 23]);
     let kt = TensorType::new(dtype, [32, 32, 3, 3]);
     let mut c = ConvAttrs::plain(2);
     c.padding = vec![(1, 1), (1, 1)];
     let mut g = Graph::new();
-    let mut h = g.add_input(InputKind::Data, "x", xt.clone());
-    let mut types = vec![xt];
+    let x = g.add_input(InputKind::Data, "x", xt.clone());
+    let p = g.add_input(InputKind::Data, "pad", pt.clone());
+    let mut types = vec![xt.clone(), pt];
+    let t = g.add(Op::Unary(UnaryOp::Tanh), &[p]).unwrap();
+    let kind = ReduceKind::Sum;
+    let s = g
+        .add(
+            Op::Reduce {
+                kind,
+                axes: vec![0],
+            },
+            &[t],
+        )
+        .unwrap();
+    let zero = g
+        .add(Op::Constant(Literal::scalar(dtype, 0.0)), &[])
+        .unwrap();
+    let s = g.add(Op::Binary(BinaryOp::Mul), &[s, zero]).unwrap();
+    let shape = xt.shape.clone();
+    let s = g
+        .add(
+            Op::Broadcast {
+                shape,
+                dims: vec![],
+            },
+            &[s],
+        )
+        .unwrap();
+    let mut h = g.add(Op::Binary(BinaryOp::Add), &[x, s]).unwrap();
     for i in 0..4 {
         let k = g.add_input(InputKind::Parameter, format!("k{i}"), kt.clone());
-        g.set_updated_between_calls(i + 1, !frozen).unwrap();
+        g.set_updated_between_calls(i + 2, !frozen).unwrap();
         types.push(kt.clone());
         let y = g.add(Op::Conv(c.clone()), &[h, k]).unwrap();
         let t = g.add(Op::Unary(UnaryOp::Tanh), &[y]).unwrap();
@@ -100,9 +134,9 @@ fn waiting_thread_runs_kernels(frozen: bool) {
         calls >= 20,
         "{calls} kernel calls for 5 runs of 4 convolutions"
     );
-    // The first kernel of a run may start before the caller waits; the others are handed
-    // over (a plugin that ran this program inside `Execute` would hand none: then this
-    // graph needs more XLA work to test anything).
+    // With the XLA work ahead of the chain every call should be handed over (a plugin that
+    // ran this program inside `Execute` would hand none); half leaves room for a thread
+    // descheduled for milliseconds on a loaded machine.
     assert!(
         handed * 2 >= calls,
         "{target}: {handed} of {calls} kernel calls ran on the waiting thread"
