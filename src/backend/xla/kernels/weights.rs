@@ -16,8 +16,9 @@
 //!   `pjrt::Buffer::mark_weight_source`, before an execution that reads it as a variable);
 //!   a kernel caches only under registered addresses, and packs afresh (uncached) otherwise;
 //! - an address is *forgotten*, with every packed weight keyed by it, before its buffer is
-//!   donated to an execution and after its buffer is destroyed ([`forget`]; the buffer
-//!   records that it registered), so no packed weight outlives the values it was made from;
+//!   donated to an execution and before its buffer is destroyed ([`forget`]; the buffer
+//!   records that it registered), so no packed weight outlives the values it was made from,
+//!   and none can meet a later buffer at the same address;
 //! - a registration carries a generation: a weight packed while its sources were forgotten
 //!   (and maybe registered again, by a new buffer at the same address) is not stored.
 //!
@@ -68,8 +69,8 @@ pub(crate) fn register(address: usize) {
     });
 }
 
-/// Forgets `address` and every packed weight keyed by it: its buffer is about to be donated,
-/// or was destroyed.
+/// Forgets `address` and every packed weight keyed by it: its buffer is about to be donated
+/// or destroyed.
 pub(crate) fn forget(address: usize) {
     with(|r| {
         r.sources.remove(&address);

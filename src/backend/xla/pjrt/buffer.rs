@@ -745,8 +745,8 @@ impl Drop for Completion {
 struct Dying {
     client: Arc<ClientInner>,
     raw: NonNull<sys::PJRT_Buffer>,
-    /// Its registration with the packed-weight cache (0: none), forgotten once it is
-    /// destroyed (and no execution reads the memory any more).
+    /// Its registration with the packed-weight cache (0: none), forgotten just before it is
+    /// destroyed.
     weight_address: usize,
 }
 
@@ -758,13 +758,16 @@ impl Drop for Dying {
         let api = self.client.api();
         let mut args = sys::PJRT_Buffer_Destroy_Args::new();
         args.buffer = self.raw.as_ptr();
+        // Forgotten before the memory can be reused by another buffer (a packed weight
+        // cached under this address must never meet that buffer). A kernel of an execution
+        // still reading this one can no longer cache under the address either.
+        if self.weight_address != 0 {
+            crate::backend::xla::kernels::weights::forget(self.weight_address);
+        }
         // SAFETY: the buffer's only owner (its `Buffer` was dropped and handed it over) destroys
         // it exactly once, here; `self.client` keeps its client alive until after this call.
         let err = unsafe { (api.fns.PJRT_Buffer_Destroy)(&mut args) };
         api.ignore_error("PJRT_Buffer_Destroy", err);
-        if self.weight_address != 0 {
-            crate::backend::xla::kernels::weights::forget(self.weight_address);
-        }
     }
 }
 
