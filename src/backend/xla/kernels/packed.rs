@@ -361,31 +361,44 @@ pub(crate) fn packed_chain_of(
     if !packed_conv_enabled() {
         return None;
     }
-    let mut cur = id;
     // Back from an epilogue op to its convolution: at most 5 steps (scale, shift, residual,
-    // max, min).
-    for _ in 0..=5 {
+    // max, min). Every operand that may lead there is followed: in a residual sum, the
+    // first one can be the other branch (not packed, or taking no part in this chain).
+    fn back(
+        g: &Graph,
+        id: NodeId,
+        cur: NodeId,
+        steps: usize,
+        picks: &dyn Fn(NodeId) -> bool,
+    ) -> Option<PackedConv> {
         let n = g.node(cur);
         match n.op {
             Op::Conv(_) => {
                 let p = packed_conv(g, cur).filter(|p| picks(p.conv))?;
-                return (p.tail == id || p.absorbed.contains(&id)).then_some(p);
+                (p.tail == id || p.absorbed.contains(&id)).then_some(p)
             }
-            Op::Binary(BinaryOp::Mul | BinaryOp::Add | BinaryOp::Max | BinaryOp::Min) => {
-                cur = *n.operands.iter().find(|&&o| {
-                    matches!(
+            Op::Binary(BinaryOp::Mul | BinaryOp::Add | BinaryOp::Max | BinaryOp::Min)
+                if steps > 0 =>
+            {
+                n.operands.iter().find_map(|&o| {
+                    let leads = matches!(
                         g.node(o).op,
                         Op::Conv(_)
                             | Op::Binary(
                                 BinaryOp::Mul | BinaryOp::Add | BinaryOp::Max | BinaryOp::Min
                             )
-                    ) && single_user(g, o) == Some(cur)
-                })?;
+                    ) && single_user(g, o) == Some(cur);
+                    if leads {
+                        back(g, id, o, steps - 1, picks)
+                    } else {
+                        None
+                    }
+                })
             }
-            _ => return None,
+            _ => None,
         }
     }
-    None
+    back(g, id, id, 5, picks)
 }
 
 /// `[N, C, H, W]` → `[N, H, W, C]`.
@@ -733,5 +746,39 @@ mod tests {
             (p.residual, p.tail, p.act),
             (Some(x), sum, Activation::None)
         );
+    }
+
+    /// A residual sum whose left operand comes from no convolution (e.g. one lowered as
+    /// im2col and a dot) through scale and shift ops of its own: the right chain takes the
+    /// sum, and every node of that chain finds it (searching back through the left operand
+    /// first used to miss it, and the sum was then emitted apart from the chain that had
+    /// absorbed its operand).
+    #[test]
+    fn a_chain_taking_the_sum_on_the_right_is_found_from_every_node() {
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", t(&[2, 4, 6, 6]));
+        let s = g.add_input(InputKind::Buffer, "s", t(&[4]));
+        let h = g.add(Op::Unary(crate::ir::UnaryOp::Tanh), &[x]).unwrap();
+        let sb = per_ch(&mut g, s, h);
+        let m = bin(&mut g, BinaryOp::Mul, h, sb);
+        let bb = per_ch(&mut g, s, h);
+        let left = bin(&mut g, BinaryOp::Add, m, bb);
+        let (c, right) = conv_bn(&mut g, x, InputKind::Parameter, 4);
+        let sum = bin(&mut g, BinaryOp::Add, left, right);
+        let z = splat(&mut g, 0.0, sum);
+        let relu = bin(&mut g, BinaryOp::Max, sum, z);
+        g.set_outputs(vec![relu]).unwrap();
+        let p = packed_conv(&g, c).unwrap();
+        assert_eq!((p.residual, p.tail), (Some(left), relu));
+        for &n in p.absorbed.iter().chain([&p.tail]) {
+            assert_eq!(
+                packed_chain_of(&g, n, &|_| true).as_ref(),
+                Some(&p),
+                "node {n:?}"
+            );
+        }
+        for n in [h, m, left] {
+            assert!(packed_chain_of(&g, n, &|_| true).is_none());
+        }
     }
 }
