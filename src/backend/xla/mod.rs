@@ -586,7 +586,11 @@ impl XlaBackend {
                 let mut g = graph.clone();
                 self.apply_variant(&mut g, *v, &|_| false)?;
                 let choices = self.variant_choices(&g, *v, &|_| false)?;
-                self.compile_mlir(&lower::lower_with(&g, &ffi_nodes(&choices))?)
+                let mut exe = self.compile_mlir(&lower::lower_with(&g, &ffi_nodes(&choices))?)?;
+                // As a compiled function's executable: frozen variables key packed weights,
+                // which later runs reuse (else every run would pack them afresh).
+                exe.set_weight_inputs(weight_inputs(&g));
+                Ok(exe)
             })();
             match built {
                 Ok(e) => exes.push((*v, Some(e))),
