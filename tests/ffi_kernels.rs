@@ -158,6 +158,8 @@ fn dot_kernel_matches_xla_and_f64_reference() {
     let cases: Vec<(Vec<usize>, Vec<usize>, DotDims)> = vec![
         // torch Linear layout: x[N, in] . W[out, in]^T
         (vec![4, 96], vec![40, 96], dot(&[], &[], &[1], &[1])),
+        // the same, above the tiny-product loop's size: oneDNN's linear for float32
+        (vec![8, 256], vec![64, 256], dot(&[], &[], &[1], &[1])),
         // plain matmul, matrix-vector, vector-vector, outer product
         (vec![5, 7], vec![7, 3], dot(&[], &[], &[1], &[0])),
         (vec![5, 7], vec![7], dot(&[], &[], &[1], &[0])),

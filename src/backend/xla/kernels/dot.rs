@@ -233,9 +233,11 @@ impl DotPlan {
         if bs == 1 {
             let mut o2 = o.f_select(0, 0)?;
             let (a2, b2) = (a.f_select(0, 0)?, b.f_select(0, 0)?);
-            if a2.kind() == tch::Kind::Float && m > 0 && n > 0 && k > 0 {
-                // f32: oneDNN's product, `a · (bᵀ)ᵀ` with `bᵀ` `[n, k]` (a `Linear` weight
-                // read transposed is that already: no copy). 2-vCPU Zen 5, µs, MKL's
+            let linear_layout = k > 1 && n > 1 && b2.stride() == [1, k];
+            if a2.kind() == tch::Kind::Float && m > 0 && linear_layout {
+                // f32 with `b2` a torch `Linear` weight `[n, k]` read transposed (so `bᵀ` is
+                // contiguous: no copy; other layouts, not measured, keep MKL's `mm` below):
+                // oneDNN's product `a · (bᵀ)ᵀ`. 2-vCPU Zen 5, µs, MKL's
                 // `(W · aᵀ)ᵀ` (below) / oneDNN: `[4, 25088]·[4096, 25088]ᵀ` 27,709 / 12,916,
                 // `[4, 4096]·[4096, 4096]ᵀ` 4,533 / 2,295, `[64, 4096]·[4096, 4096]ᵀ` 13,549 /
                 // 6,376, `[4, 512]·[1000, 512]ᵀ` 55 / 48.
@@ -248,7 +250,7 @@ impl DotPlan {
                     onednn::Activation::None,
                 )?;
                 o2.f_copy_(&y)?;
-            } else if m <= SWAP_MAX_ROWS && k > 1 && n > 1 && b2.stride() == [1, k] {
+            } else if m <= SWAP_MAX_ROWS && linear_layout {
                 // (f64) `b2` is a torch `Linear` weight `[n, k]` read transposed: MKL computes
                 // `(W · aᵀ)ᵀ` 1.2–1.9× faster than `a · Wᵀ` for few rows (vgg16's
                 // `[4, 25088]·[4096, 25088]ᵀ` 35 ms vs 60–69 ms, `[16, 4096]·[4096, 4096]ᵀ` 7.5
