@@ -384,32 +384,27 @@ impl Report {
         }
     }
 
-    /// ` (alone, before them: A ms; interleaved: B ms; geomeans over the models)`, when
-    /// both were timed.
+    /// ` (geomean eager ms alone, before any compiled run: A; interleaved: B)`, over the
+    /// models where both were timed (empty if none).
     fn eager_alone_line(&self) -> String {
-        let pairs: Vec<(f64, f64)> = self
+        let (alone, interleaved): (Vec<f64>, Vec<f64>) = self
             .rows
             .iter()
             .filter_map(|r| Some((r.eager_alone_ms?, r.eager_interleaved_ms?)))
             .filter(|&(a, b)| a > 0.0 && b > 0.0)
-            .collect();
-        if pairs.is_empty() {
-            return String::new();
+            .unzip();
+        match (geomean(&alone), geomean(&interleaved)) {
+            (Some(a), Some(b)) => format!(
+                " (geomean eager ms alone, before any compiled run: {a:.3}; interleaved: {b:.3})"
+            ),
+            _ => String::new(),
         }
-        let g = |f: fn(&(f64, f64)) -> f64| {
-            (pairs.iter().map(|p| f(p).ln()).sum::<f64>() / pairs.len() as f64).exp()
-        };
-        format!(
-            " (geomean eager ms alone, before any compiled run: {:.3}; interleaved: {:.3})",
-            g(|p| p.0),
-            g(|p| p.1)
-        )
     }
 
     /// The header line saying what ran on how many threads: `eager: libtorch 2 intra-op
-    /// thread(s) (libtorch's default), timed interleaved with the compiled runs (alone before
-    /// them: 8.12 / 7.95 ms geomean); compiled: XLA (plugin ...), its threads confined to 2
-    /// CPU(s) ...` (plus `OMP_WAIT_POLICY` when set).
+    /// thread(s) (libtorch's default), timed interleaved with the compiled runs (geomean eager
+    /// ms alone, before any compiled run: 8.120; interleaved: 7.950); compiled: XLA (plugin
+    /// ...), its threads confined to 2 CPU(s) ...` (plus `OMP_WAIT_POLICY` when set).
     pub fn threads_line(&self) -> String {
         let t = &self.threads;
         let eager = format!(
