@@ -130,11 +130,11 @@ fn autograd_convs_through_the_kernel() {
             1,
             "layer {i}: the input gradient reads the forward weight:\n{lowered}"
         );
-        // Ungrouped 2-d weight gradients read the forward input and cotangent directly and
-        // write the weight gradient itself (convolution and transpose as one call).
+        // 2-d weight gradients read the forward input and cotangent directly and write the
+        // weight gradient itself (convolution and transpose as one call).
         assert_eq!(
             lowered.matches("form = 3").count(),
-            usize::from(layer.attrs.feature_groups == 1),
+            1,
             "layer {i}: weight gradient form:\n{lowered}"
         );
         assert!(!lowered.contains("form = 2"));

@@ -337,6 +337,17 @@ pub fn autograd_conv_layers(suite: u8) -> Vec<ConvCase> {
             a.strides = vec![2, 2];
             a.padding = vec![(1, 1), (1, 1)];
         }),
+        // Depthwise weight gradients that do not run on oneDNN's: few input positions, a
+        // 5x5 window.
+        conv_case(FFI, &[2, 16, 2, 2], &[16, 1, 3, 3], |a| {
+            a.feature_groups = 16;
+            a.padding = vec![(1, 1), (1, 1)];
+        }),
+        conv_case(FFI, &[2, 8, 8, 8], &[8, 1, 5, 5], |a| {
+            a.feature_groups = 8;
+            a.strides = vec![2, 2];
+            a.padding = vec![(2, 2), (2, 2)];
+        }),
     ]
     .into_iter()
     .filter(|c| c.suites & suite != 0)

@@ -273,15 +273,15 @@ pub fn conv_form(c: &ConvAttrs, x: &Tensor, k: &Tensor, form: ConvForm) -> Resul
 
 /// Does a weight-gradient convolution with attributes `c`, input dims `lhs` (`[C/g, g*N,
 /// *sp]`) and kernel dims `rhs` (`[O, N, *sp']`) run as libtorch's own weight gradient
-/// (im2col and one matrix product, as `_slow_conv2d_backward` does: 2-d, one group, no
-/// forward kernel dilation, and the forward convolution's padding recoverable as symmetric)?
+/// (oneDNN's, or im2col and one matrix product as `_slow_conv2d_backward` does: 2-d, no
+/// forward kernel dilation, and the forward convolution's padding recoverable as
+/// symmetric; any number of feature groups)?
 fn slow_weight_gradient(c: &ConvAttrs, lhs: &[i64], rhs: &[i64]) -> bool {
     let n = c.strides.len();
     let Ok(out) = conv_out_dims(c, lhs, rhs) else {
         return false;
     };
     n == 2
-        && c.feature_groups == 1
         && c.batch_groups == 1
         && c.strides.iter().all(|&s| s == 1)
         && c.lhs_dilation.iter().all(|&d| d == 1)
@@ -308,6 +308,20 @@ pub fn weight_gradient_direct(c: &ConvAttrs, x: &TensorType, k: &TensorType) -> 
 /// 9,454 / 455 (oneDNN's kernel is poor with many channels on few positions).
 const ONEDNN_WEIGHT_GRADIENT_MIN_OUTPUTS: i64 = 64;
 
+/// From this many input positions per image (`H · W`), an f32 2-d *grouped* (depthwise)
+/// weight gradient with a window of at most 3×3 runs on oneDNN's own weight-gradient kernel;
+/// smaller ones, and larger windows, as the convolution of the regrouped input by the
+/// transposed cotangent (oneDNN has a fast depthwise kernel for 3×3 windows only). Measured
+/// inside mobilenet_v2's and mnasnet1_0's training graphs (`examples/ffi_profile.rs --ops
+/// conv --filter "dw "`, 2-vCPU Zen 5, batch 4, best of 3, µs, oneDNN / regrouped): 3×3 at
+/// 32×32 87–91 / 621–682, 144 ch at 16×16 98–100 / 843–867, 384 ch at 4×4 58–62 / 200–323,
+/// 576 ch at 4×4 stride 2 60–61 / 153–172; 960 ch at 2×2 420–474 / 213–363; 5×5 windows
+/// 226–823 / 198–491.
+const ONEDNN_GROUPED_WEIGHT_GRADIENT_MIN_INPUTS: i64 = 16;
+
+/// The largest window (`kh · kw`) of [`ONEDNN_GROUPED_WEIGHT_GRADIENT_MIN_INPUTS`].
+const ONEDNN_GROUPED_WEIGHT_GRADIENT_MAX_WINDOW: i64 = 9;
+
 /// The [`ConvForm::WeightGradient`] convolution of input `x` and cotangent `ct`, written
 /// into `out` (contiguous; `[C/g, O, *k]`, or `[O, C/g, *k]` when `transposed`).
 fn weight_gradient_into(
@@ -327,49 +341,60 @@ fn weight_gradient_into(
         let fwd_stride: Vec<i64> = c.rhs_dilation.iter().map(|&v| v as i64).collect();
         let pad: Vec<i64> = c.padding.iter().map(|p| p.0).collect();
         let ksz: Vec<i64> = want[2..].to_vec();
-        let (nb, o, ck, l) = (xs[0], cs[1], xs[1] * ksz[0] * ksz[1], cs[2] * cs[3]);
+        let cg = xs[1] / g;
+        let (nb, o, ck, l) = (xs[0], cs[1], cg * ksz[0] * ksz[1], cs[2] * cs[3]);
         let write = |dw: &Tensor, out: &mut Tensor| -> Result<()> {
-            // dw: [O, C*kh*kw] in the weight's layout.
+            // dw: [O, C/g*kh*kw] in the weight's layout.
             if transposed {
                 out.f_view([o, ck])?.f_copy_(&dw.f_view([o, ck])?)?;
             } else {
-                out.f_copy_(&dw.f_view([o, xs[1], ksz[0], ksz[1]])?.f_transpose(0, 1)?)?;
+                out.f_copy_(&dw.f_view([o, cg, ksz[0], ksz[1]])?.f_transpose(0, 1)?)?;
             }
             Ok(())
         };
-        if x.kind() == tch::Kind::Float && l >= ONEDNN_WEIGHT_GRADIENT_MIN_OUTPUTS {
+        let onednn = if g == 1 {
+            l >= ONEDNN_WEIGHT_GRADIENT_MIN_OUTPUTS
+        } else {
+            xs[2] * xs[3] >= ONEDNN_GROUPED_WEIGHT_GRADIENT_MIN_INPUTS
+                && ksz[0] * ksz[1] <= ONEDNN_GROUPED_WEIGHT_GRADIENT_MAX_WINDOW
+        };
+        if x.kind() == tch::Kind::Float && onednn {
             // oneDNN's weight gradient, as eager autograd runs it.
             let geo = Geometry {
                 padding: [pad[0], pad[1]],
                 stride: [fwd_stride[0], fwd_stride[1]],
                 dilation: [1, 1],
-                groups: 1,
+                groups: g,
             };
-            let dw = onednn::conv_weight_gradient(x, ct, [o, xs[1], ksz[0], ksz[1]], &geo)?;
+            let dw = onednn::conv_weight_gradient(x, ct, [o, cg, ksz[0], ksz[1]], &geo)?;
             return write(&dw, &mut out);
         }
-        // libtorch's own CPU weight gradient (as `_slow_conv2d_backward` computes it):
-        // patches [N, C*kh*kw, L] of the padded input times the cotangent [N, O, L], as one
-        // matrix product over N*L: dW [O, C*kh*kw], the transposed result (oneDNN's matrix
-        // product for f32, MKL's for f64).
-        let cols = x.f_im2col(&ksz, [1i64, 1], &pad, &fwd_stride)?;
-        let a = ct
-            .f_reshape([nb, o, l])?
-            .f_permute([1i64, 0, 2])?
-            .f_reshape([o, nb * l])?;
-        let b = cols.f_permute([1i64, 0, 2])?.f_reshape([ck, nb * l])?;
-        if x.kind() == tch::Kind::Float {
-            let dw = onednn::linear_pointwise(&a, &b, None, None, Activation::None)?;
-            return write(&dw, &mut out);
+        if g == 1 {
+            // libtorch's own CPU weight gradient (as `_slow_conv2d_backward` computes it):
+            // patches [N, C*kh*kw, L] of the padded input times the cotangent [N, O, L], as
+            // one matrix product over N*L: dW [O, C*kh*kw], the transposed result (oneDNN's
+            // matrix product for f32, MKL's for f64).
+            let cols = x.f_im2col(&ksz, [1i64, 1], &pad, &fwd_stride)?;
+            let a = ct
+                .f_reshape([nb, o, l])?
+                .f_permute([1i64, 0, 2])?
+                .f_reshape([o, nb * l])?;
+            let b = cols.f_permute([1i64, 0, 2])?.f_reshape([ck, nb * l])?;
+            if x.kind() == tch::Kind::Float {
+                let dw = onednn::linear_pointwise(&a, &b, None, None, Activation::None)?;
+                return write(&dw, &mut out);
+            }
+            if transposed {
+                let _ = a.f_mm_out(&out.f_view([o, ck])?, &b.f_tr()?)?;
+            } else {
+                let dw = a.f_mm(&b.f_tr()?)?;
+                out.f_copy_(&dw.f_view([o, xs[1], ksz[0], ksz[1]])?.f_transpose(0, 1)?)?;
+            }
+            return Ok(());
         }
-        if transposed {
-            let _ = a.f_mm_out(&out.f_view([o, ck])?, &b.f_tr()?)?;
-        } else {
-            let dw = a.f_mm(&b.f_tr()?)?;
-            out.f_copy_(&dw.f_view([o, xs[1], ksz[0], ksz[1]])?.f_transpose(0, 1)?)?;
-        }
-        return Ok(());
     }
+    // Otherwise (a grouped one on few positions or in f64, or another geometry): the
+    // convolution of the regrouped input by the transposed cotangent.
     let mut grouped = vec![xs[0], g, xs[1] / g];
     grouped.extend_from_slice(&xs[2..]);
     let mut perm = vec![2i64, 1, 0];

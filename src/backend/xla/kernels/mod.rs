@@ -107,10 +107,10 @@ impl FfiMode {
     pub fn key(&self) -> &'static str {
         match self {
             FfiMode::Off => "off",
-            FfiMode::Auto if packed_conv_enabled() => "auto6",
-            FfiMode::Auto => "auto6-unpacked",
-            FfiMode::All if packed_conv_enabled() => "all2",
-            FfiMode::All => "all2-unpacked",
+            FfiMode::Auto if packed_conv_enabled() => "auto7",
+            FfiMode::Auto => "auto7-unpacked",
+            FfiMode::All if packed_conv_enabled() => "all3",
+            FfiMode::All => "all3-unpacked",
         }
     }
 
@@ -301,8 +301,9 @@ pub enum ConvForm {
     /// (`[N, C, *sp]`) with `g` feature groups, stride `s`, kernel dilation `r`: the operands
     /// are `x` and the cotangent `ct` (`[N, O, *sp']`), and the convolution's input and kernel
     /// are `x` regrouped to `[C/g, g*N, *sp]` and `ct` transposed to `[O, N, *sp']`; its
-    /// window strides are `r` and its kernel dilation `s`. 2-d ungrouped ones run as
-    /// libtorch's CPU weight gradient does (im2col of `x`, one matrix product with `ct`).
+    /// window strides are `r` and its kernel dilation `s`. 2-d ones run as libtorch's CPU
+    /// weight gradient does (oneDNN's kernel, or im2col of `x` and one matrix product with
+    /// `ct`; grouped ones on few positions as the convolution of the regrouped operands).
     WeightGradient = 2,
     /// [`ConvForm::WeightGradient`] with the result transposed to the weight's layout
     /// `[O, C/g, *k]`: the weight gradient itself (the convolution and the transpose autograd

@@ -207,14 +207,15 @@ fn weight_gradient_form_equals_plain_form() {
         ([2, 4, 8, 7], 3, 2, (1, 1), 1, true),
         ([2, 4, 7, 7], 1, 2, (0, 0), 1, true),
         ([1, 3, 13, 13], 7, 2, (3, 3), 1, true),
-        ([2, 4, 8, 8], 3, 1, (1, 1), 2, false), // grouped: fallback
+        ([2, 4, 8, 8], 3, 1, (1, 1), 2, true),  // grouped
+        ([2, 4, 2, 2], 3, 1, (1, 1), 4, true),  // depthwise on few positions
         ([2, 4, 8, 8], 3, 1, (0, 2), 1, false), // asymmetric forward padding: fallback
     ];
     for (i, (xs, k, s, (lo, hi), g, direct)) in cases.into_iter().enumerate() {
         let sp: Vec<i64> = (0..2)
             .map(|d| (xs[d + 2] + lo + hi - k) / s as i64 + 1)
             .collect();
-        let o = 6i64;
+        let o = 12i64;
         let x = seeded(&xs, i as i64);
         let ct = seeded(&[xs[0], o, sp[0], sp[1]], 20 + i as i64);
         // The weight-gradient convolution kiln's autograd builds (conv_vjp).
