@@ -361,6 +361,18 @@ fn auto_rule_keeps_small_ungrouped_ops_in_xla() {
     };
     assert!(!FfiMode::Auto.dot(&pool, &t(&[4, 512, 2, 7]), &t(&[7, 2])));
     assert!(FfiMode::All.dot(&pool, &t(&[4, 512, 2, 7]), &t(&[7, 2])));
+    // Attention's batched q·kᵀ (bert: 4 sequences x 4 heads of 64 tokens) has the Linear
+    // layout and 64 rows per product, but 1,024 rows in all: XLA keeps it.
+    let qk = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 1],
+        lhs_contract: vec![3],
+        rhs_contract: vec![3],
+    };
+    let heads = t(&[4, 4, 64, 64]);
+    assert!(dot_flops(&qk, &heads, &heads) >= AUTO_MIN_DOT_FLOPS);
+    assert!(!FfiMode::Auto.dot(&qk, &heads, &heads));
+    assert!(FfiMode::All.dot(&qk, &heads, &heads));
     // Tiny products go to the kernel's own loop (torchbench's LinearModel), in any layout.
     assert!(FfiMode::Auto.dot(&lin, &t(&[4, 10]), &t(&[10, 10])));
     assert!(FfiMode::Auto.dot(&nn, &t(&[4, 10]), &t(&[10, 10])));
