@@ -10,7 +10,9 @@
 
 use super::Pass;
 use crate::error::{Error, Result};
-use crate::ir::{ConvAttrs, DotDims, Graph, InputKind, Literal, NodeId, Op, Shape, TensorType};
+use crate::ir::{
+    ConvAttrs, DotDims, Graph, InputKind, Literal, NodeId, Op, ReduceKind, Shape, TensorType,
+};
 
 /// Rewrites the `Op::Conv` nodes that `select(attributes, input type, kernel type)` picks
 /// into their [`im2col`] expansion; the other convolutions stay as they are.
@@ -152,6 +154,10 @@ pub fn im2col(g: &mut Graph, c: &ConvAttrs, x: NodeId, w: NodeId) -> Result<Node
         ));
     }
 
+    if is_full_window(c, &xt, &wt) {
+        return full_window_product(g, x, w, &out_ty);
+    }
+
     // 1. Channels first, padded: [C, N, *P].
     let mut perm = vec![1, 0];
     perm.extend(2..n + 2);
@@ -286,6 +292,73 @@ pub fn im2col(g: &mut Graph, c: &ConvAttrs, x: NodeId, w: NodeId) -> Result<Node
     let y = g.add(Op::DotGeneral(dims), &[lhs, rhs])?;
     let y = g.add(Op::Transpose(vec![2, 0, 1, 3]), &[y])?;
     reshape(g, y, &out_dims)
+}
+
+/// Is `Op::Conv(c)` of an input `x` by a kernel `k` a *full-window* convolution: one output
+/// position, its window the whole (unpadded, undilated) input, no groups? Then every output
+/// is a dot product of an input row with a kernel row, and [`im2col`] needs no patches.
+///
+/// Autograd's weight gradient of every 1×1 stride-1 convolution has this form: its input is
+/// the forward input with batch and channels swapped, `[C, N, H, W]`, its kernel the
+/// cotangent likewise, `[O, N, H, W]`, its result `[C, O, 1, 1]`.
+pub fn is_full_window(c: &ConvAttrs, x: &TensorType, k: &TensorType) -> bool {
+    let n = c.strides.len();
+    x.shape.rank() == n + 2
+        && k.shape.rank() == n + 2
+        && c.feature_groups == 1
+        && c.batch_groups == 1
+        && c.padding.iter().all(|&(l, h)| l == 0 && h == 0)
+        && c.lhs_dilation.iter().all(|&d| d == 1)
+        && c.rhs_dilation.iter().all(|&d| d == 1)
+        && x.shape.dims()[2..] == k.shape.dims()[2..]
+        && x.shape.dim(1) == k.shape.dim(1)
+}
+
+/// The full-window convolution ([`is_full_window`]) of `x` `[B, C, *S]` by `w` `[F, C, *S]`
+/// as one `dot_general` on the operands as they lie, `[B, F]`, reshaped to `out` (`[B, F,
+/// 1, ...]`).
+///
+/// With few channels over many positions (the weight gradient's channels are the forward
+/// batch) the product is batched over the channels and summed after: XLA then reads the
+/// operands in place, where contracting channels and positions together makes it copy both
+/// into a canonical `[B, C·S]` layout first. Measured on the 1×1 weight gradients of
+/// mobilenet_v2's training step alone (2-vCPU Zen 3, xla-cpu-pjrt 0.0.1, µs, the 34 of them
+/// weighted by count): `stablehlo.convolution` 21,284, one product contracting all 15,167
+/// when batched over channels wherever positions ≥ 4 × channels, else 16,264 when never
+/// batched (at 2×2 positions the batched form was the slower one: 852 vs 583 µs for
+/// `[4, 160, 2, 2]` by `[4, 960, 2, 2]`).
+fn full_window_product(g: &mut Graph, x: NodeId, w: NodeId, out: &TensorType) -> Result<NodeId> {
+    let xd = g.node(x).ty.shape.dims().to_vec();
+    let (batch, chans) = (xd[0], xd[1]);
+    let positions: usize = xd[2..].iter().product();
+    let feats = g.node(w).ty.shape.dim(0);
+    let xr = reshape(g, x, &[batch, chans, positions])?;
+    let wr = reshape(g, w, &[feats, chans, positions])?;
+    let y = if positions >= 4 * chans {
+        // [C, B, F], summed over C.
+        let dims = DotDims {
+            lhs_batch: vec![1],
+            rhs_batch: vec![1],
+            lhs_contract: vec![2],
+            rhs_contract: vec![2],
+        };
+        let p = g.add(Op::DotGeneral(dims), &[xr, wr])?;
+        g.add(
+            Op::Reduce {
+                kind: ReduceKind::Sum,
+                axes: vec![0],
+            },
+            &[p],
+        )?
+    } else {
+        let dims = DotDims {
+            lhs_contract: vec![1, 2],
+            rhs_contract: vec![1, 2],
+            ..Default::default()
+        };
+        g.add(Op::DotGeneral(dims), &[xr, wr])?
+    };
+    reshape(g, y, out.shape.dims())
 }
 
 /// Row-major multi-index of the flat index `i` in `dims`.
@@ -460,5 +533,97 @@ mod tests {
             .unwrap();
         let e = im2col_nodes(&mut r, &[tanh]).unwrap_err().to_string();
         assert!(e.contains("not a convolution"), "{e}");
+    }
+
+    /// The weight gradient autograd builds for a 1×1 stride-1 convolution is a full-window
+    /// convolution; its expansion is one product (batched over the forward batch where the
+    /// positions outnumber it 4 to 1, else contracting everything) and keeps the values, as
+    /// does a plain full-window convolution. A strided 1×1 forward convolution's weight
+    /// gradient (kernel dilation 2) is not one.
+    #[test]
+    fn full_window_convolutions_become_one_product() {
+        let t = |s: &[usize]| TensorType::new(DType::F64, s);
+        for (x_dims, out_ch, stride, batched) in [
+            ([2, 3, 4, 4], 5, 1, Some(true)),
+            ([5, 3, 2, 2], 4, 1, Some(false)),
+            ([2, 3, 4, 4], 5, 2, None),
+        ] {
+            let mut g = Graph::new();
+            let x = g.add_input(InputKind::Data, "x", t(&x_dims));
+            let w = g.add_input(InputKind::Parameter, "w", t(&[out_ch, x_dims[1], 1, 1]));
+            let mut c = ConvAttrs::plain(2);
+            c.strides = vec![stride, stride];
+            let y = g.add(Op::Conv(c), &[x, w]).unwrap();
+            let ct_ty = g.node(y).ty.clone();
+            let ct = g.add_input(InputKind::Data, "ct", ct_ty);
+            let dw = crate::autograd::vjp(&mut g, y, ct, &[false, true]).unwrap()[1].unwrap();
+            g.set_outputs(vec![dw]).unwrap();
+            let (wgrad, wc) = g
+                .topo_order()
+                .into_iter()
+                .find_map(|id| match &g.node(id).op {
+                    Op::Conv(c) if id != y => Some((id, c.clone())),
+                    _ => None,
+                })
+                .unwrap();
+            let (a, b) = (g.node(wgrad).operands[0], g.node(wgrad).operands[1]);
+            let full = is_full_window(&wc, &g.node(a).ty, &g.node(b).ty);
+            assert_eq!(full, batched.is_some(), "{x_dims:?} stride {stride}");
+            let inputs: Vec<HostTensor> = g
+                .inputs()
+                .iter()
+                .enumerate()
+                .map(|(i, inp)| random(&inp.ty, 5 + i as u64))
+                .collect();
+            let want = run(&g, &inputs);
+            let mut r = g.clone();
+            assert!(im2col_nodes(&mut r, &[wgrad]).unwrap());
+            r.verify().unwrap();
+            let reduces = r
+                .topo_order()
+                .into_iter()
+                .filter(|&id| matches!(r.node(id).op, Op::Reduce { .. }))
+                .count();
+            if let Some(batched) = batched {
+                let dots: Vec<DotDims> = r
+                    .topo_order()
+                    .into_iter()
+                    .filter_map(|id| match &r.node(id).op {
+                        Op::DotGeneral(d) => Some(d.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(dots.len(), 1, "{x_dims:?}");
+                assert_eq!(!dots[0].lhs_batch.is_empty(), batched, "{x_dims:?}");
+                assert_eq!(reduces, usize::from(batched));
+                // Nothing is cut out of the input: no slices, pads or concatenations.
+                assert!(r.topo_order().into_iter().all(|id| !matches!(
+                    r.node(id).op,
+                    Op::Slice { .. } | Op::Pad { .. } | Op::Concat { .. }
+                )));
+            }
+            assert_close(&run(&r, &inputs), &want);
+        }
+        // A plain full-window convolution (a classifier over the whole map), batch 2.
+        let c = ConvAttrs::plain(2);
+        let (xt, wt) = (t(&[2, 6, 3, 3]), t(&[4, 6, 3, 3]));
+        assert!(is_full_window(&c, &xt, &wt));
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", xt.clone());
+        let w = g.add_input(InputKind::Parameter, "w", wt.clone());
+        let y = g.add(Op::Conv(c.clone()), &[x, w]).unwrap();
+        g.set_outputs(vec![y]).unwrap();
+        let inputs = vec![random(&xt, 1), random(&wt, 2)];
+        assert_close(
+            &run(&im2col_graph(&c, &xt, &wt).unwrap(), &inputs),
+            &run(&g, &inputs),
+        );
+        // Padding or groups: not full-window.
+        let mut padded = c.clone();
+        padded.padding = vec![(1, 1), (0, 0)];
+        assert!(!is_full_window(&padded, &xt, &wt));
+        let mut grouped = c;
+        grouped.feature_groups = 2;
+        assert!(!is_full_window(&grouped, &xt, &t(&[4, 3, 3, 3])));
     }
 }

@@ -12,7 +12,7 @@ pub use cast::{autocast_graph, cast_graph};
 pub use cse::Cse;
 pub use dce::Dce;
 pub use dedup::{dedup_outputs, OutputSource};
-pub use im2col::{im2col, im2col_graph, im2col_nodes, Im2col};
+pub use im2col::{im2col, im2col_graph, im2col_nodes, is_full_window, Im2col};
 pub use widen::WidenHalf;
 
 use crate::error::Result;
