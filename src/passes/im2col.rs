@@ -127,6 +127,10 @@ fn reshape(g: &mut Graph, x: NodeId, dims: &[usize]) -> Result<NodeId> {
 ///    patches `[C * T, N * Y]` (no copy of the kernel; feature groups and batch groups become
 ///    a batch dimension of the product);
 /// 4. the result `[O, N, Y]` goes back to `[N, O, *Y]`.
+///
+/// A full-window convolution ([`is_full_window`], such as autograd's weight gradient of a 1×1
+/// stride-1 convolution) has no patches to cut: it becomes one product on `x` and `w` as they
+/// lie instead (see `full_window_product`).
 pub fn im2col(g: &mut Graph, c: &ConvAttrs, x: NodeId, w: NodeId) -> Result<NodeId> {
     let xt = g.node(x).ty.clone();
     let wt = g.node(w).ty.clone();
