@@ -86,18 +86,23 @@ fn rel_err(got: &[f64], want: &[f64]) -> f64 {
 /// folded, ReLU / ReLU6 / GELU, biases and residual sums fused) against the float64 twin:
 /// the error is bounded by a small multiple of what float32 costs eager libtorch on the same
 /// model, plus a floor.
+///
+/// Under the default rule a linear with many rows is packed only where oneDNN has AVX-512
+/// ([`kernels::onednn_avx512`]); [`FfiMode::All`] packs every one, so the transformers'
+/// epilogues (GELU, residual sums) are checked on every CPU.
 #[test]
 fn zoo_models_with_packed_kernels_match_float64() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    // (model, packed convolutions, packed linears)
-    for (name, convs, linears) in [
-        ("resnet18", 20, 1),
-        ("mobilenet_v2", 52, 1),
-        ("squeezenet1_1", 26, 0),
-        ("resnext50_32x4d", 53, 1),
-        ("alexnet", 5, 3),
-        ("bert", 0, 16),
-        ("vit", 1, 17),
+    let wide = kernels::onednn_avx512();
+    // (model, packed convolutions, packed linears: all of them, those with few rows)
+    for (name, convs, linears, few_row_linears) in [
+        ("resnet18", 20, 1, 1),
+        ("mobilenet_v2", 52, 1, 1),
+        ("squeezenet1_1", 26, 0, 0),
+        ("resnext50_32x4d", 53, 1, 1),
+        ("alexnet", 5, 3, 3),
+        ("bert", 0, 16, 0),
+        ("vit", 1, 17, 1),
     ] {
         let model = SharedModel::new(zoo::build(name, 0).unwrap());
         randomize_batch_norm(&model, 77);
@@ -116,31 +121,41 @@ fn zoo_models_with_packed_kernels_match_float64() {
         let want = values(&twin.forward(&xs64, false).unwrap());
         let eager = values(&model.forward(&xs, false).unwrap());
 
-        let m = model.clone();
-        let mut f = compile(xla(), move |xs: &[Tensor]| Ok(vec![m.forward(xs, false)?]));
-        let text = f
-            .inspect(&xs)
-            .unwrap()
-            .text("stablehlo")
-            .unwrap()
-            .to_string();
-        assert_eq!(
-            (
-                text.matches(PACKED_CONV_TARGET).count(),
-                text.matches(PACKED_LINEAR_TARGET).count()
-            ),
-            (convs, linears),
-            "{name}: packed convolutions and linears"
-        );
-        assert!(!text.contains("stablehlo.convolution"), "{name}");
-        for call in 0..3 {
-            let got = values(&f.run(&xs).unwrap()[0]);
-            let (e_xla, e_eager) = (rel_err(&got, &want), rel_err(&eager, &want));
-            println!("{name} call {call}: vs float64 compiled {e_xla:.2e}, eager {e_eager:.2e}");
-            assert!(
-                e_xla <= 4.0 * e_eager + 2e-6,
-                "{name} call {call}: compiled error {e_xla:.2e}, eager float32's {e_eager:.2e}"
+        let auto = if wide { linears } else { few_row_linears };
+        let mut modes = vec![(FfiMode::Auto, auto)];
+        if auto != linears {
+            modes.push((FfiMode::All, linears));
+        }
+        for (mode, linears) in modes {
+            let m = model.clone();
+            let be = xla().with_options(XlaOptions::default().ffi(mode));
+            let mut f = compile(be, move |xs: &[Tensor]| Ok(vec![m.forward(xs, false)?]));
+            let text = f
+                .inspect(&xs)
+                .unwrap()
+                .text("stablehlo")
+                .unwrap()
+                .to_string();
+            assert_eq!(
+                (
+                    text.matches(PACKED_CONV_TARGET).count(),
+                    text.matches(PACKED_LINEAR_TARGET).count()
+                ),
+                (convs, linears),
+                "{name} {mode:?}: packed convolutions and linears"
             );
+            assert!(!text.contains("stablehlo.convolution"), "{name}");
+            for call in 0..3 {
+                let got = values(&f.run(&xs).unwrap()[0]);
+                let (e_xla, e_eager) = (rel_err(&got, &want), rel_err(&eager, &want));
+                println!(
+                    "{name} {mode:?} call {call}: vs float64 compiled {e_xla:.2e}, eager {e_eager:.2e}"
+                );
+                assert!(
+                    e_xla <= 4.0 * e_eager + 2e-6,
+                    "{name} {mode:?} call {call}: compiled error {e_xla:.2e}, eager float32's {e_eager:.2e}"
+                );
+            }
         }
     }
 }

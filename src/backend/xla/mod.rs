@@ -913,7 +913,7 @@ impl Backend for XlaBackend {
                             && d.rhs_batch.is_empty()
                             && d.rhs_contract == [1]
                             && !ffi.dot(d, &graph.node(n.operands[0]).ty, &w.ty)
-                            && (ffi == FfiMode::Off || kernels::packed_linear(graph, u).is_none())
+                            && !ffi.packs_linear(graph, u)
                     }
                     _ => false,
                 }

@@ -21,7 +21,9 @@
 //! Why: on a 2-vCPU AMD EPYC (Zen 5), µs, libtorch's `linear` (MKL) / oneDNN on the packed
 //! weight: `[260, 256]·[768, 256]ᵀ` 584 / 277, `[260, 1024]·[256, 1024]ᵀ` 749 / 335,
 //! `[4, 256]·[1000, 256]ᵀ` 56 / 27, `[4, 25088]·[4096, 25088]ᵀ` 41,016 / 10,419; with GELU
-//! fused the product costs what it does without.
+//! fused the product costs what it does without. Without AVX-512 the many-row ones gain
+//! nothing, and [`FfiMode::Auto`](super::FfiMode::Auto) leaves them to XLA
+//! ([`auto_packed_linear`](super::FfiMode::auto_packed_linear)).
 
 use super::onednn::{self, Activation};
 use super::packed::{frozen_sources, other_operand, single_user, splat};
@@ -427,6 +429,30 @@ mod tests {
             }
         }
         assert!(packed_linear_chain_of(&g, d4, &|_| true).is_none());
+    }
+
+    /// The rule packs few-row linears on every CPU, many-row ones only where oneDNN has
+    /// AVX-512; `All` packs both, `Off` neither.
+    #[test]
+    fn the_rule_packs_many_rows_only_with_avx512() {
+        use super::super::{FfiMode, FfiSelect, AUTO_MAX_DOT_ROWS};
+        let wide = super::super::onednn_avx512();
+        for (rows, auto) in [(AUTO_MAX_DOT_ROWS, true), (AUTO_MAX_DOT_ROWS + 1, wide)] {
+            let mut g = Graph::new();
+            // `[rows, 1, 64]`: the rows are the free dims together.
+            let x = g.add_input(InputKind::Data, "x", t(&[rows, 1, 64]));
+            let (d, y) = linear(&mut g, x, InputKind::Parameter, 128);
+            g.set_outputs(vec![y]).unwrap();
+            assert!(packed_linear(&g, d).is_some(), "{rows} rows");
+            for (mode, want) in [
+                (FfiMode::Auto, auto),
+                (FfiMode::All, true),
+                (FfiMode::Off, false),
+            ] {
+                assert_eq!(mode.packs_linear(&g, d), want, "{rows} rows, {mode:?}");
+                assert_eq!(mode.picks(&g, d), want, "{rows} rows, {mode:?}");
+            }
+        }
     }
 
     #[test]
