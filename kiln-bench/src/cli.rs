@@ -137,6 +137,12 @@ pub struct Cli {
     #[arg(long, default_value_t = 3, value_name = "N")]
     pub warmup: usize,
 
+    /// Untimed calls of a contender right before each of its timed runs, after the other
+    /// contenders ran (0: strict alternation, as torchbench.py times; the first call after a
+    /// switch meets caches the other side filled).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub switch_in: usize,
+
     /// Batch size (default: 2 for `linear`, as in torchbench.py's example, 4 for the others).
     #[arg(long, value_name = "N")]
     pub batch_size: Option<usize>,
@@ -221,6 +227,7 @@ impl Cli {
             randomize_input: self.randomize_input,
             repeat: self.repeat,
             warmup: self.warmup,
+            switch_in: self.switch_in,
             batch_size: self.batch_size,
             seed: self.seed,
             lr: self.lr,

@@ -110,6 +110,8 @@ pub struct Report {
     pub repeat: usize,
     /// Warm-up calls.
     pub warmup: usize,
+    /// Untimed calls before each timed run ([`crate::BenchOptions::switch_in`]).
+    pub switch_in: usize,
     /// Were inputs randomized per repetition?
     pub randomize_input: bool,
     /// The threads each side ran on.
@@ -583,7 +585,8 @@ impl std::fmt::Display for Report {
             Experiment::Performance => writeln!(
                 f,
                 "{what}; speedup = eager median / compiled median over {} repetitions of {} \
-                 iteration(s) (eager and the variants interleaved; eager's median is the faster of \
+                 iteration(s) (eager and the variants interleaved, each timed run after {} untimed call(s) of \
+                 the same contender; eager's median is the faster of \
                  its interleaved one and its own before any compiled run; {} warm-up call(s) excluded{}); p = Welch's t-test \
                  (SAME: p > {SAME_THRESHOLD}); compile s = each column's first call (trace + compile + \
                  run), in column order; compression = eager peak memory / compiled peak memory, \
@@ -591,6 +594,7 @@ impl std::fmt::Display for Report {
                  (parameters and executables excluded on both sides), in column order",
                 self.repeat,
                 self.iterations_per_run,
+                self.switch_in,
                 self.warmup,
                 if self.randomize_input {
                     ", fresh inputs per repetition"
