@@ -215,6 +215,9 @@ struct Emitter<'g> {
     replicas: usize,
     /// Cross-replica ops written so far (each gets its own channel).
     channels: usize,
+    /// Whether the kernel calls are marked to run on one libtorch thread
+    /// ([`kernels::serial_kernels`]).
+    serial: bool,
 }
 
 impl<'g> Emitter<'g> {
@@ -224,6 +227,15 @@ impl<'g> Emitter<'g> {
 
     fn ty(&self, id: NodeId) -> String {
         tensor_type(&self.g.node(id).ty)
+    }
+
+    /// A kernel call's attributes, marked serial if the program's kernels are.
+    fn call_attrs(&self, attrs: String) -> String {
+        if self.serial {
+            kernels::mark_serial(&attrs)
+        } else {
+            attrs
+        }
     }
 
     /// Emits node `id` as a custom call to one of kiln's libtorch kernels if the FFI mode
@@ -238,6 +250,7 @@ impl<'g> Emitter<'g> {
                 true
             }
             Some(FfiLowering::Call { operands, attrs }) => {
+                let attrs = self.call_attrs(attrs);
                 let args: Vec<String> =
                     operands.iter().map(|&o| self.name(o).to_string()).collect();
                 let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -279,6 +292,7 @@ impl<'g> Emitter<'g> {
                     }
                 }
                 let call = format!("{res}_call");
+                let attrs = self.call_attrs(attrs);
                 let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
                 self.generic(
                     &call,
@@ -962,6 +976,7 @@ pub fn lower_replicated(graph: &Graph, ffi: &dyn FfiSelect, replicas: usize) -> 
         ffi,
         replicas,
         channels: 0,
+        serial: kernels::serial_kernels(graph, ffi),
     };
     let alias_of: HashMap<usize, usize> = graph.aliases().iter().copied().collect();
     let mut params = Vec::new();

@@ -2,6 +2,7 @@
 //! libtorch, in each [`ConvForm`].
 
 use super::onednn::{self, Activation, Geometry};
+use super::SERIAL_ATTR;
 use super::{torch_lock, ConvForm, CONV_TARGET};
 use crate::backend::eager::batch_groups_to_channels;
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
@@ -71,7 +72,7 @@ impl FfiKernel for ConvKernel {
                 xb.dims, kb.dims, ob.dims
             )));
         }
-        handoff::run_kernel(|| {
+        handoff::run_kernel(call.flag(SERIAL_ATTR), || {
             let _guard = torch_lock();
             let (x, k, out) = (xb.tensor()?, kb.tensor()?, ob.tensor()?);
             match form {

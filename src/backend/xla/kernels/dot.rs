@@ -2,6 +2,7 @@
 //! into XLA's result buffer.
 
 use super::onednn;
+use super::SERIAL_ATTR;
 use super::{torch_lock, DOT_TARGET};
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
 use crate::backend::xla::pjrt::handoff;
@@ -43,7 +44,7 @@ impl FfiKernel for DotKernel {
                 ),
             };
         }
-        handoff::run_kernel(|| {
+        handoff::run_kernel(call.flag(SERIAL_ATTR), || {
             let _guard = torch_lock();
             let (a, b, out) = (ab.tensor()?, bb.tensor()?, ob.tensor()?);
             plan.run_into(&a, &b, &out)

@@ -22,6 +22,26 @@ pub(super) fn row_major(r: usize) -> String {
     format!("dense<[{}]> : tensor<{r}xindex>", v.join(", "))
 }
 
+/// `attrs` (a custom call's, from [`custom_call_attrs`]) with [`super::SERIAL_ATTR`] set in its
+/// backend config.
+pub(crate) fn mark_serial(attrs: &str) -> String {
+    const CONFIG: &str = "backend_config = {";
+    let Some(i) = attrs.find(CONFIG).map(|i| i + CONFIG.len()) else {
+        return attrs.to_string();
+    };
+    let sep = if attrs[i..].starts_with('}') {
+        ""
+    } else {
+        ", "
+    };
+    format!(
+        "{}{} = 1 : i64{sep}{}",
+        &attrs[..i],
+        super::SERIAL_ATTR,
+        &attrs[i..]
+    )
+}
+
 pub(super) fn custom_call_attrs(
     target: &str,
     config: &str,

@@ -55,6 +55,7 @@ pub use conv::{
     conv, conv_form, conv_out_dims, effective_dims, effective_kernel_dims, weight_gradient_direct,
 };
 pub use dot::{DotPlan, TinyDot, TINY_DOT_MAX_FLOPS};
+pub(crate) use mlir::mark_serial;
 pub use mlir::{
     conv_call_attrs, conv_call_attrs_form, conv_call_mlir, dot_call_attrs, dot_call_mlir,
 };
@@ -109,11 +110,11 @@ impl FfiMode {
         match self {
             FfiMode::Off => "off",
             // The rule's packed linears depend on oneDNN's ISA (`auto_packed_linear`).
-            FfiMode::Auto if !packed_conv_enabled() => "auto9-unpacked",
-            FfiMode::Auto if onednn::avx512() => "auto9-avx512",
-            FfiMode::Auto => "auto9",
-            FfiMode::All if packed_conv_enabled() => "all3",
-            FfiMode::All => "all3-unpacked",
+            FfiMode::Auto if !packed_conv_enabled() => "auto10-unpacked",
+            FfiMode::Auto if onednn::avx512() => "auto10-avx512",
+            FfiMode::Auto => "auto10",
+            FfiMode::All if packed_conv_enabled() => "all4",
+            FfiMode::All => "all4-unpacked",
         }
     }
 
@@ -250,6 +251,47 @@ impl FfiMode {
     pub fn auto_packed_linear(rows: usize) -> bool {
         rows <= AUTO_MAX_DOT_ROWS || onednn_avx512()
     }
+}
+
+/// The custom-call attribute (`serial = 1 : i64`) that runs a kernel with libtorch on one
+/// thread; see [`serial_kernels`].
+pub const SERIAL_ATTR: &str = "serial";
+
+/// Below this share of a program's convolution and dot flops, its kernels run with libtorch
+/// on one thread (see [`serial_kernels`]).
+pub const SERIAL_KERNEL_SHARE: f64 = 0.25;
+
+/// Do the kernels of `g` under `sel` run with libtorch on one thread? Yes when they compute
+/// less than [`SERIAL_KERNEL_SHARE`] of the graph's convolution and dot flops (the rest is
+/// XLA's).
+///
+/// Why: a kernel on libtorch's threads wakes the OpenMP team of the thread running it, whose
+/// other threads then spin for milliseconds (libgomp's default wait policy) on the CPUs XLA's
+/// workers need. Where kernels follow each other closely (mobilenet_v2: 53 kernels in a
+/// 8 ms program) the spinning team is ready for the next one; where a few kernels sit
+/// among XLA's work it only takes CPU from XLA. vit inference (2 kernels, 3 % of its
+/// flops; 2-vCPU Zen 3, compiled alone, ms): 23.0 / 23.3 on the team, 16.3 / 16.4 serial
+/// (perf: its team's spinning thread 19.5 % of all samples). Serial everywhere instead:
+/// mobilenet_v2 8.3 / 8.9 → 13.7 / 14.8, resnet18 13.7 / 14.3 → 21.7 / 23.8.
+pub fn serial_kernels<S: FfiSelect + ?Sized>(g: &Graph, sel: &S) -> bool {
+    let (mut kernels, mut all) = (0.0, 0.0);
+    for id in g.petgraph().node_indices() {
+        let n = g.node(id);
+        if n.operands.len() != 2 {
+            continue;
+        }
+        let (a, b) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
+        let flops = match &n.op {
+            Op::Conv(c) => conv_flops(c, a, b),
+            Op::DotGeneral(d) => dot_flops(d, a, b),
+            _ => continue,
+        };
+        all += flops;
+        if picked(g, id, sel) {
+            kernels += flops;
+        }
+    }
+    kernels > 0.0 && kernels < SERIAL_KERNEL_SHARE * all
 }
 
 /// Below this many floating-point operations (multiply-adds × 2), [`FfiMode::Auto`] leaves an

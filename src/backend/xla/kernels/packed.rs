@@ -33,6 +33,7 @@
 
 use super::onednn::{self, Activation, Geometry};
 use super::weights::{self, WeightKey};
+use super::SERIAL_ATTR;
 use super::{torch_lock, FfiLowering};
 use crate::backend::xla::lower::tensor_type;
 use crate::backend::xla::pjrt::ffi::{BufferRef, Call, FfiKernel};
@@ -584,7 +585,7 @@ impl FfiKernel for PackedConvKernel {
             sources,
         };
         let input = [xd[0], xd[3], xd[1], xd[2]];
-        handoff::run_kernel(|| {
+        handoff::run_kernel(call.flag(SERIAL_ATTR), || {
             let _guard = torch_lock();
             let x = nhwc_view(&xb)?;
             let packed = weights::get_or_pack(&key, || {

@@ -28,6 +28,7 @@
 use super::onednn::{self, Activation};
 use super::packed::{frozen_sources, other_operand, single_user, splat};
 use super::weights::{self, WeightKey};
+use super::SERIAL_ATTR;
 use super::{torch_lock, DotPlan, FfiLowering};
 use crate::backend::xla::pjrt::ffi::{BufferRef, Call, FfiKernel};
 use crate::backend::xla::pjrt::handoff;
@@ -319,7 +320,7 @@ impl FfiKernel for PackedLinearKernel {
             sources: [call.arg_address(1)?].into_iter().collect(),
         };
         let m: i64 = xd[..r - 1].iter().product();
-        handoff::run_kernel(|| {
+        handoff::run_kernel(call.flag(SERIAL_ATTR), || {
             let _guard = torch_lock();
             let packed = weights::get_or_pack(&key, || onednn::pack_linear_weight(&wb.tensor()?))?;
             let x = xb.tensor()?.f_reshape([m, k])?;

@@ -491,3 +491,107 @@ fn linear_layout_products_match_the_reference() {
         }
     }
 }
+
+/// A graph with one large product and one small one: `(big, small)` dot nodes.
+fn big_and_small_products(g: &mut Graph) -> (NodeId, NodeId) {
+    use crate::ir::InputKind;
+    let f = |d: &[usize]| TensorType::new(DType::F64, d.to_vec());
+    let x = g.add_input(InputKind::Data, "x", f(&[64, 256]));
+    let w1 = g.add_input(InputKind::Data, "w1", f(&[256, 256]));
+    let a = g.add_input(InputKind::Data, "a", f(&[4, 300]));
+    let w = g.add_input(InputKind::Data, "w", f(&[200, 300]));
+    let plain = DotDims {
+        lhs_contract: vec![1],
+        rhs_contract: vec![0],
+        ..Default::default()
+    };
+    let linear = DotDims {
+        lhs_contract: vec![1],
+        rhs_contract: vec![1],
+        ..Default::default()
+    };
+    let big = g.add(Op::DotGeneral(plain), &[x, w1]).unwrap();
+    let small = g.add(Op::DotGeneral(linear), &[a, w]).unwrap();
+    g.set_outputs(vec![big, small]).unwrap();
+    (big, small)
+}
+
+/// Kernels run serially where they do a small share of the products: one small kernel
+/// among XLA's work, not when they do all of it, not without kernels.
+#[test]
+fn kernels_run_serially_only_among_much_xla_work() {
+    let mut g = Graph::new();
+    let (big, small) = big_and_small_products(&mut g);
+    let set = |ids: &[NodeId]| {
+        ids.iter()
+            .copied()
+            .collect::<std::collections::HashSet<_>>()
+    };
+    assert!(serial_kernels(&g, &set(&[small])));
+    assert!(!serial_kernels(&g, &set(&[big, small])));
+    assert!(!serial_kernels(&g, &set(&[big])));
+    assert!(!serial_kernels(&g, &set(&[])));
+    assert!(!serial_kernels(&g, &FfiMode::All));
+
+    let text = crate::backend::xla::lower::lower_with(&g, &set(&[small])).unwrap();
+    assert_eq!(text.matches("serial = 1 : i64").count(), 1, "{text}");
+    let text = crate::backend::xla::lower::lower_with(&g, &set(&[big, small])).unwrap();
+    assert!(!text.contains("serial"), "{text}");
+    assert_eq!(
+        mark_serial("backend_config = {}, x = 1"),
+        "backend_config = {serial = 1 : i64}, x = 1"
+    );
+    assert_eq!(
+        mark_serial("backend_config = {form = 0 : i64}"),
+        "backend_config = {serial = 1 : i64, form = 0 : i64}"
+    );
+}
+
+/// A program whose kernel runs serially computes what the reference does, and leaves the
+/// calling thread's libtorch thread count as it was.
+#[test]
+fn a_serial_kernel_matches_the_reference_and_restores_threads() {
+    use crate::backend::Backend;
+    let b = backend();
+    assert_eq!(b.ffi_status(), Ok(()));
+    let mut g = Graph::new();
+    let (_, small) = big_and_small_products(&mut g);
+    let sel: std::collections::HashSet<NodeId> = [small].into_iter().collect();
+    let text = crate::backend::xla::lower::lower_with(&g, &sel).unwrap();
+    assert!(text.contains("serial = 1 : i64"));
+    let exe = b.compile_mlir(&text).unwrap();
+    let dims = [[64i64, 256], [256, 256], [4, 300], [200, 300]];
+    let ins: Vec<Tensor> = dims
+        .iter()
+        .enumerate()
+        .map(|(i, d)| seeded(d, i as i64))
+        .collect();
+    let bufs: Vec<_> = ins
+        .iter()
+        .map(|t| {
+            let v = Vec::<f64>::try_from(t.reshape([-1])).unwrap();
+            let d: Vec<usize> = t.size().iter().map(|&v| v as usize).collect();
+            b.to_device(&crate::backend::HostTensor::from_slice(&d, &v).unwrap())
+                .unwrap()
+        })
+        .collect();
+    let raw: Vec<_> = bufs.iter().map(|b| b.raw()).collect();
+    let before = tch::get_num_threads();
+    for _ in 0..3 {
+        let outs = exe.execute(&raw).unwrap();
+        let got: Vec<f64> = outs[1]
+            .to_host_vec()
+            .unwrap()
+            .chunks_exact(8)
+            .map(|c| f64::from_ne_bytes(c.try_into().unwrap()))
+            .collect();
+        let want = Vec::<f64>::try_from(ins[2].matmul(&ins[3].tr()).reshape([-1])).unwrap();
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(err < 1e-9, "{err}");
+    }
+    assert_eq!(tch::get_num_threads(), before);
+}

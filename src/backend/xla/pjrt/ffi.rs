@@ -382,6 +382,11 @@ impl Call<'_> {
         None
     }
 
+    /// Whether the call has the integer attribute `name` set to 1 (absent: false).
+    pub fn flag(&self, name: &str) -> bool {
+        matches!(self.attr(name), Some(Attr::Int(1)))
+    }
+
     /// The integer attribute `name`.
     pub fn attr_int(&self, name: &str) -> Result<i64> {
         match self.attr(name) {

@@ -99,12 +99,15 @@ pub(crate) fn enabled() -> bool {
     REGISTERED.load(Ordering::Relaxed) && wanted().load(Ordering::Relaxed)
 }
 
-/// Runs a kernel job: through [`HANDOFF`] when handing over is [`enabled`], else right here.
-pub(crate) fn run_kernel<R>(f: impl FnOnce() -> R) -> R {
+/// Runs a kernel job: through [`HANDOFF`] when handing over is [`enabled`], else right here;
+/// with libtorch on one thread ([`serial`]) if `serial` (the program marked its kernels so,
+/// see `kernels::serial_kernels`).
+pub(crate) fn run_kernel<R>(serial: bool, f: impl FnOnce() -> R) -> R {
+    let job = || if serial { self::serial(f) } else { f() };
     if enabled() {
-        HANDOFF.run(f)
+        HANDOFF.run(job)
     } else {
-        f()
+        job()
     }
 }
 
@@ -260,21 +263,76 @@ fn serial_libtorch_here() {
         return;
     }
     let _ = tch::get_num_threads();
-    let this = libloading::os::unix::Library::this();
-    // SAFETY: both symbols, if present, are the C functions of libgomp and MKL with these
-    // signatures (`void omp_set_num_threads(int)`, `int MKL_Set_Num_Threads_Local(int)`:
-    // the C-style name; the lower-case `mkl_set_num_threads_local` is MKL's Fortran entry,
-    // which takes a pointer); they only change the calling thread's settings.
+    let s = thread_setters();
+    // SAFETY: the C functions of `thread_setters`; they only change this thread's settings.
     unsafe {
-        if let Ok(f) = this.get::<unsafe extern "C" fn(c_int)>(b"omp_set_num_threads\0") {
-            f(1);
+        if let Some(set) = s.omp_set {
+            set(1);
         }
-        if let Ok(f) =
-            this.get::<unsafe extern "C" fn(c_int) -> c_int>(b"MKL_Set_Num_Threads_Local\0")
-        {
-            f(1);
+        if let Some(m) = s.mkl_local {
+            m(1);
         }
     }
+}
+
+/// libgomp's and MKL's per-thread thread-count setters, if this process has them.
+struct ThreadSetters {
+    omp_set: Option<unsafe extern "C" fn(c_int)>,
+    omp_get: Option<unsafe extern "C" fn() -> c_int>,
+    mkl_local: Option<unsafe extern "C" fn(c_int) -> c_int>,
+}
+
+fn thread_setters() -> &'static ThreadSetters {
+    static SETTERS: OnceLock<ThreadSetters> = OnceLock::new();
+    SETTERS.get_or_init(|| {
+        let this = libloading::os::unix::Library::this();
+        // SAFETY: the symbols, if present, are libgomp's `void omp_set_num_threads(int)` and
+        // `int omp_get_max_threads(void)` and MKL's `int MKL_Set_Num_Threads_Local(int)`
+        // (the C-style name; the lower-case `mkl_set_num_threads_local` is MKL's Fortran
+        // entry, which takes a pointer); the pointers stay valid as the libraries are never
+        // unloaded (they are linked into the process).
+        unsafe {
+            ThreadSetters {
+                omp_set: this.get(b"omp_set_num_threads\0").ok().map(|f| *f),
+                omp_get: this.get(b"omp_get_max_threads\0").ok().map(|f| *f),
+                mkl_local: this.get(b"MKL_Set_Num_Threads_Local\0").ok().map(|f| *f),
+            }
+        }
+    })
+}
+
+/// Runs `f` with libtorch confined to this thread (OpenMP and MKL), then restores this
+/// thread's settings: the kernel then does not wake this thread's OpenMP team, whose threads
+/// would spin for milliseconds afterwards on the CPUs XLA's workers need.
+pub(crate) fn serial<R>(f: impl FnOnce() -> R) -> R {
+    let _ = tch::get_num_threads();
+    let s = thread_setters();
+    // SAFETY: the C functions of `thread_setters`; they read only this thread's settings.
+    let omp_prev = s.omp_get.map(|g| unsafe { g() });
+    // SAFETY: as above; they change only this thread's settings (restored below).
+    let mkl_prev = unsafe {
+        if let Some(set) = s.omp_set {
+            set(1);
+        }
+        s.mkl_local.map(|m| m(1))
+    };
+    struct Restore(Option<c_int>, Option<c_int>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let s = thread_setters();
+            // SAFETY: as above.
+            unsafe {
+                if let (Some(set), Some(n)) = (s.omp_set, self.0) {
+                    set(n);
+                }
+                if let (Some(m), Some(n)) = (s.mkl_local, self.1) {
+                    m(n);
+                }
+            }
+        }
+    }
+    let _restore = Restore(omp_prev, mkl_prev);
+    f()
 }
 
 /// After how many µs without a job a serving thread that ran kernels stops its OpenMP team
