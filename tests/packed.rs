@@ -22,6 +22,24 @@ fn xla() -> XlaBackend {
     b
 }
 
+/// `model`'s inference compiled on XLA under `mode`, and the StableHLO it lowers to for `xs`.
+fn inference_under(
+    model: &SharedModel,
+    mode: FfiMode,
+    xs: &[Tensor],
+) -> (kiln::CompiledFn<XlaBackend>, String) {
+    let m = model.clone();
+    let be = xla().with_options(XlaOptions::default().ffi(mode));
+    let f = compile(be, move |xs: &[Tensor]| Ok(vec![m.forward(xs, false)?]));
+    let text = f
+        .inspect(xs)
+        .unwrap()
+        .text("stablehlo")
+        .unwrap()
+        .to_string();
+    (f, text)
+}
+
 /// Non-trivial BatchNorm statistics and affine parameters (fresh ones are the identity, which
 /// would hide a wrong scale or shift).
 fn randomize_batch_norm(model: &dyn Model, seed: u64) {
@@ -127,15 +145,7 @@ fn zoo_models_with_packed_kernels_match_float64() {
             modes.push((FfiMode::All, linears));
         }
         for (mode, linears) in modes {
-            let m = model.clone();
-            let be = xla().with_options(XlaOptions::default().ffi(mode));
-            let mut f = compile(be, move |xs: &[Tensor]| Ok(vec![m.forward(xs, false)?]));
-            let text = f
-                .inspect(&xs)
-                .unwrap()
-                .text("stablehlo")
-                .unwrap()
-                .to_string();
+            let (mut f, text) = inference_under(&model, mode, &xs);
             assert_eq!(
                 (
                     text.matches(PACKED_CONV_TARGET).count(),
@@ -234,15 +244,7 @@ fn no_packed_convolutions_without_kernels() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let model = SharedModel::new(zoo::build("squeezenet1_1", 0).unwrap());
     let xs = model.example_inputs(2, 1).unwrap();
-    let m = model.clone();
-    let b = xla().with_options(XlaOptions::default().ffi(FfiMode::Off));
-    let mut f = compile(b, move |xs: &[Tensor]| Ok(vec![m.forward(xs, false)?]));
-    let text = f
-        .inspect(&xs)
-        .unwrap()
-        .text("stablehlo")
-        .unwrap()
-        .to_string();
+    let (mut f, text) = inference_under(&model, FfiMode::Off, &xs);
     assert!(!text.contains(PACKED_CONV_TARGET));
     let want = values(&model.forward(&xs, false).unwrap());
     assert!(rel_err(&values(&f.run(&xs).unwrap()[0]), &want) < 1e-4);
