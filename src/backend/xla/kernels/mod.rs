@@ -209,36 +209,31 @@ impl FfiMode {
         // rows per product, but 1,024 in all; as eight kernel calls in XLA's graph it made
         // the step slower than XLA alone (fused, 3 interleaved rounds on a 2-vCPU Zen 3:
         // 149.9 / 144.6 / 142.5 ms against 120.7 / 112.7 / 126.7 ms).
-        let rows: usize = (0..a.shape.rank())
-            .filter(|i| !d.lhs_contract.contains(i))
-            .map(|i| a.shape.dim(i))
-            .product();
         rb > 0
             && d.rhs_contract.contains(&(rb - 1))
-            && rows <= AUTO_MAX_DOT_ROWS
+            && lhs_rows(d, a) <= AUTO_MAX_DOT_ROWS
             && dot_flops(d, a, b) >= AUTO_MIN_DOT_FLOPS
     }
-}
 
-impl FfiMode {
     /// Does dot node `id` run as a packed linear (a frozen `Linear` weight packed for oneDNN,
     /// its epilogue fused; see `packed_linear.rs`)? Under [`FfiMode::All`] wherever it can;
     /// under [`FfiMode::Auto`] by [`FfiMode::auto_packed_linear`].
     pub(crate) fn packs_linear(&self, g: &Graph, id: NodeId) -> bool {
+        let Op::DotGeneral(d) = &g.node(id).op else {
+            return false;
+        };
         let Some(p) = (*self != FfiMode::Off)
             .then(|| packed_linear(g, id))
             .flatten()
         else {
             return false;
         };
-        let x = &g.node(p.x).ty.shape;
-        let k = x.dims().last().copied().unwrap_or(1).max(1);
-        *self == FfiMode::All || Self::auto_packed_linear(x.numel() / k)
+        *self == FfiMode::All || Self::auto_packed_linear(lhs_rows(d, &g.node(p.x).ty))
     }
 
     /// The rule for packed linears with `rows` rows (the activation's elements over its last
-    /// dim): always where oneDNN has AVX-512 ([`onednn_avx512`]), else only with at most
-    /// [`AUTO_MAX_DOT_ROWS`] rows.
+    /// dim, as [`FfiMode::auto_dot`] counts them): always where oneDNN has AVX-512
+    /// ([`onednn_avx512`]), else only with at most [`AUTO_MAX_DOT_ROWS`] rows.
     ///
     /// With AVX-512 oneDNN's packed product is ~2× faster than MKL's (2-vCPU Zen 5, µs:
     /// `[260, 256]·[768, 256]ᵀ` 277 vs 584) and bert / vit inference took 9.5 / 11.5 ms
@@ -251,6 +246,15 @@ impl FfiMode {
     pub fn auto_packed_linear(rows: usize) -> bool {
         rows <= AUTO_MAX_DOT_ROWS || onednn_avx512()
     }
+}
+
+/// The rows of a dot's left operand `a`: the product of its dims that `d` does not contract,
+/// batch dims included (every product in the batch together).
+fn lhs_rows(d: &DotDims, a: &TensorType) -> usize {
+    (0..a.shape.rank())
+        .filter(|i| !d.lhs_contract.contains(i))
+        .map(|i| a.shape.dim(i))
+        .product()
 }
 
 /// The custom-call attribute (`serial = 1 : i64`) that runs a kernel with libtorch on one
