@@ -110,9 +110,9 @@ impl FfiMode {
         match self {
             FfiMode::Off => "off",
             // The rule's packed linears depend on oneDNN's ISA (`auto_packed_linear`).
-            FfiMode::Auto if !packed_conv_enabled() => "auto10-unpacked",
-            FfiMode::Auto if onednn::avx512() => "auto10-avx512",
-            FfiMode::Auto => "auto10",
+            FfiMode::Auto if !packed_conv_enabled() => "auto11-unpacked",
+            FfiMode::Auto if onednn::avx512() => "auto11-avx512",
+            FfiMode::Auto => "auto11",
             FfiMode::All if packed_conv_enabled() => "all4",
             FfiMode::All => "all4-unpacked",
         }
@@ -245,6 +245,55 @@ impl FfiMode {
     /// (vgg16's `[4, 25088]·[4096, 25088]ᵀ` 329 ms in XLA, 30 ms packed on the Zen 3).
     pub fn auto_packed_linear(rows: usize) -> bool {
         rows <= AUTO_MAX_DOT_ROWS || onednn_avx512()
+    }
+}
+
+impl FfiMode {
+    /// The rule for packed convolutions under [`FfiMode::Auto`]: one that would earn its call
+    /// by itself ([`FfiMode::auto_packed_conv_alone`]), or one connected to such a one
+    /// through a run of packed convolutions, each reading its neighbour's result (through its
+    /// fused epilogue, or as its residual; [`packed::neighbours`]).
+    ///
+    /// Why: a packed call costs more than XLA's own convolution on small ones, but each call
+    /// also switches the activations to NHWC and back, which XLA cancels only between
+    /// consecutive calls. 2-vCPU Zen 3, inference compiled alone, batch 4 at 64×64, ms:
+    /// squeezenet1_1's 26 convolutions (1–37 MFLOP, in runs of at most three) took 8.7–10.5
+    /// packed against 7.0–9.7 in XLA (eager 11.0); mobilenet_v2's 1×1 convolutions sit
+    /// between its depthwise ones, and taking them out of the NHWC run made it slower
+    /// (10.6–11.4 → 13.6–13.7); resnet50 with its four 1×1 downsampling convolutions (34
+    /// MFLOP each, their neighbours 1×1 too) in XLA: 34–40 → 49–50.
+    pub(crate) fn auto_packed_conv(g: &Graph, p: &packed::PackedConv) -> bool {
+        if Self::auto_packed_conv_alone(g, p.conv) {
+            return true;
+        }
+        // Breadth-first over the run, stopping at the first convolution that earns its call.
+        let mut seen = vec![p.conv];
+        let mut queue = std::collections::VecDeque::from([p.clone()]);
+        while let Some(q) = queue.pop_front() {
+            for c in packed::neighbours(g, &q) {
+                if seen.contains(&c) {
+                    continue;
+                }
+                if Self::auto_packed_conv_alone(g, c) {
+                    return true;
+                }
+                seen.push(c);
+                queue.extend(packed_conv(g, c));
+            }
+        }
+        false
+    }
+
+    /// Does packed convolution `conv` earn its call by itself: grouped, or at least
+    /// [`AUTO_MIN_FORWARD_SPATIAL_CONV_FLOPS`] (windows larger than 1×1) or
+    /// [`AUTO_MIN_FORWARD_CONV_FLOPS`] (1×1), as for unpacked forward convolutions?
+    fn auto_packed_conv_alone(g: &Graph, conv: NodeId) -> bool {
+        let n = g.node(conv);
+        let Op::Conv(c) = &n.op else {
+            return false;
+        };
+        let (x, k) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
+        c.feature_groups > 1 || conv_flops(c, x, k) >= forward_conv_min_flops(k)
     }
 }
 
@@ -448,7 +497,13 @@ impl FfiSelect for FfiMode {
         let (a, b) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
         match &n.op {
             Op::Conv(c) => {
-                let packed = || *self != FfiMode::Off && packed_conv(g, id).is_some();
+                let packed = || match *self {
+                    FfiMode::Off => false,
+                    FfiMode::All => packed_conv(g, id).is_some(),
+                    FfiMode::Auto => {
+                        packed_conv(g, id).is_some_and(|p| Self::auto_packed_conv(g, &p))
+                    }
+                };
                 (self.conv(c, a, b)
                     && (*self != FfiMode::Auto
                         || c.feature_groups > 1

@@ -402,6 +402,28 @@ pub(crate) fn packed_chain_of(
     back(g, id, id, 5, picks)
 }
 
+/// The convolutions of the packed chains next to packed convolution `p`: the one whose
+/// result `p` reads, those that read `p`'s result, and the one whose sum takes `p`'s result
+/// as its residual. Between neighbours the activations stay NHWC (XLA cancels the
+/// transposes of consecutive calls).
+pub(crate) fn neighbours(g: &Graph, p: &PackedConv) -> Vec<NodeId> {
+    let mut out: Vec<NodeId> = packed_chain_of(g, p.x, &|_| true)
+        .filter(|q| q.tail == p.x)
+        .map(|q| q.conv)
+        .into_iter()
+        .collect();
+    for u in g.users(p.tail) {
+        let q = match g.node(u).op {
+            Op::Conv(_) if g.node(u).operands[0] == p.tail => packed_conv(g, u),
+            _ => packed_chain_of(g, u, &|_| true).filter(|q| q.residual == Some(p.tail)),
+        };
+        if let Some(q) = q.filter(|q| q.conv != p.conv) {
+            out.push(q.conv);
+        }
+    }
+    out
+}
+
 /// `[N, C, H, W]` → `[N, H, W, C]`.
 fn nhwc(t: &TensorType) -> TensorType {
     let d = t.shape.dims();

@@ -259,9 +259,10 @@ fn weight_gradient_form_equals_plain_form() {
     }
 }
 
-/// In a graph, an ungrouped forward convolution on a weight passed per call goes to libtorch
-/// from 30 MFLOP with a spatial window, from 200 MFLOP as 1×1; on a frozen weight it is a
-/// packed convolution however small.
+/// In a graph, an ungrouped forward convolution goes to libtorch from 30 MFLOP with a
+/// spatial window, from 200 MFLOP as 1×1, whether its weight is passed per call or frozen (a
+/// packed convolution); see `auto_rule_packs_runs_of_convolutions` for packed ones next to
+/// others.
 #[test]
 fn auto_rule_for_forward_convolutions_in_a_graph() {
     use crate::ir::{Graph, InputKind};
@@ -295,13 +296,98 @@ fn auto_rule_for_forward_convolutions_in_a_graph() {
             assert_eq!(packed_conv(&g, y).is_some(), packed);
             assert_eq!(
                 FfiMode::Auto.picks(&g, y),
-                want || packed,
+                want,
                 "x {x:?} k {k:?} ({:.0} MFLOP) {kind:?}",
                 flops / 1e6
             );
             assert!(FfiMode::All.picks(&g, y));
             assert!(!FfiMode::Off.picks(&g, y));
         }
+    }
+}
+
+/// A small ungrouped packed convolution stays packed when a run of packed convolutions,
+/// each reading its neighbour's result (through a fused epilogue, or as a residual), joins it
+/// to one that earns its call alone (grouped, or large); runs of small ones stay in XLA.
+#[test]
+fn auto_rule_packs_runs_of_convolutions() {
+    use crate::ir::{BinaryOp, Graph, InputKind, Literal, UnaryOp};
+    fn relu(g: &mut Graph, y: NodeId) -> NodeId {
+        let k = g
+            .add(Op::Constant(Literal::scalar(DType::F32, 0.0)), &[])
+            .unwrap();
+        let shape = g.node(y).ty.shape.clone();
+        let zero = g
+            .add(
+                Op::Broadcast {
+                    shape,
+                    dims: vec![],
+                },
+                &[k],
+            )
+            .unwrap();
+        g.add(Op::Binary(BinaryOp::Max), &[y, zero]).unwrap()
+    }
+    if !packed_conv_enabled() {
+        return;
+    }
+    let t = |d: &[usize]| TensorType::new(DType::F32, d.to_vec());
+    let mut pad = ConvAttrs::plain(2);
+    pad.padding = vec![(1, 1), (1, 1)];
+    let mut dw = pad.clone();
+    dw.feature_groups = 32;
+    // conv(h, frozen weight of shape k), then ReLU.
+    let conv = |g: &mut Graph, h: NodeId, c: &ConvAttrs, k: &[usize], name: &str| {
+        let w = g.add_input(InputKind::Parameter, name, t(k));
+        let y = g.add(Op::Conv(c.clone()), &[h, w]).unwrap();
+        (y, relu(g, y))
+    };
+    let small = ConvAttrs::plain(2);
+
+    // 1x1 (1 MFLOP) -> depthwise 3x3 -> 1x1 (1 MFLOP) -> tanh -> 1x1: the first two 1x1s
+    // neighbour the depthwise one, the last is cut off by the tanh.
+    let mut g = Graph::new();
+    let x = g.add_input(InputKind::Data, "x", t(&[4, 16, 16, 16]));
+    let (c1, r1) = conv(&mut g, x, &small, &[32, 16, 1, 1], "w1");
+    let (c2, r2) = conv(&mut g, r1, &dw, &[32, 1, 3, 3], "w2");
+    let (c3, r3) = conv(&mut g, r2, &small, &[16, 32, 1, 1], "w3");
+    let th = g.add(Op::Unary(UnaryOp::Tanh), &[r3]).unwrap();
+    let (c4, r4) = conv(&mut g, th, &small, &[16, 16, 1, 1], "w4");
+    g.set_outputs(vec![r4]).unwrap();
+    let picked: Vec<bool> = [c1, c2, c3, c4]
+        .iter()
+        .map(|&c| FfiMode::Auto.picks(&g, c))
+        .collect();
+    assert_eq!(picked, [true, true, true, false]);
+    assert!([c1, c2, c3, c4].iter().all(|&c| FfiMode::All.picks(&g, c)));
+
+    // A residual block: a = relu(conv_a(x)); b = conv_b(a); y = relu(b + conv_d(x)),
+    // conv_d a small 1x1 whose result is conv_b's residual. With conv_a a large 3x3, conv_b
+    // and conv_d (small) join it; with conv_a small, none is packed.
+    for big in [true, false] {
+        let mut g = Graph::new();
+        let ch = if big { 64 } else { 8 };
+        let x = g.add_input(InputKind::Data, "x", t(&[4, ch, 16, 16]));
+        let (ca, ra) = conv(&mut g, x, &pad, &[ch, ch, 3, 3], "wa");
+        let wb = g.add_input(InputKind::Parameter, "wb", t(&[ch, ch, 1, 1]));
+        let cb = g.add(Op::Conv(small.clone()), &[ra, wb]).unwrap();
+        let wd = g.add_input(InputKind::Parameter, "wd", t(&[ch, ch, 1, 1]));
+        let cd = g.add(Op::Conv(small.clone()), &[x, wd]).unwrap();
+        let sum = g.add(Op::Binary(BinaryOp::Add), &[cb, cd]).unwrap();
+        let y = relu(&mut g, sum);
+        g.set_outputs(vec![y]).unwrap();
+        let flops = |c: NodeId| {
+            let n = g.node(c);
+            let Op::Conv(a) = &n.op else { unreachable!() };
+            conv_flops(a, &g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty)
+        };
+        assert_eq!(flops(ca) >= AUTO_MIN_FORWARD_SPATIAL_CONV_FLOPS, big);
+        assert!(flops(cb) < AUTO_MIN_FORWARD_CONV_FLOPS);
+        let picked: Vec<bool> = [ca, cb, cd]
+            .iter()
+            .map(|&c| FfiMode::Auto.picks(&g, c))
+            .collect();
+        assert_eq!(picked, [big; 3], "large first convolution: {big}");
     }
 }
 
