@@ -52,13 +52,13 @@
 //! [`super::XlaBackend::autotune_report`] returns them.
 
 use super::kernels::{
-    conv_flops, conv_supported, dot_flops, dot_supported, forward_weight_of,
-    weight_gradient_operands_of, FfiMode, FfiSelect, CONV_TARGET, DOT_TARGET,
+    conv_flops, conv_supported, dot_flops, dot_supported, forward_weight_of, rule_selection,
+    weight_gradient_operands_of, FfiMode, CONV_TARGET, DOT_TARGET,
 };
 use super::{ConvLowering, ConvStrategy};
 use crate::error::{Error, Result};
 use crate::ir::{DType, Graph, InputKind, NodeId, Op};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -482,8 +482,13 @@ pub(crate) fn micro_graph(g: &Graph, s: &Site) -> Result<(Graph, NodeId)> {
 }
 
 /// The candidates of a site under `caps`, in the order of [`Lowering::ALL`], and the rule's
-/// choice.
-pub(crate) fn candidates(g: &Graph, s: &Site, caps: &Caps) -> (Vec<Lowering>, Lowering) {
+/// choice (`kernels`: the nodes the FFI rule hands to libtorch, [`rule_selection`]).
+pub(crate) fn candidates(
+    g: &Graph,
+    s: &Site,
+    caps: &Caps,
+    kernels: &HashSet<NodeId>,
+) -> (Vec<Lowering>, Lowering) {
     let n = g.node(s.node);
     let (a, b) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
     let mut out = Vec::new();
@@ -505,7 +510,7 @@ pub(crate) fn candidates(g: &Graph, s: &Site, caps: &Caps) -> (Vec<Lowering>, Lo
             if ffi_ok {
                 out.push(Lowering::Ffi);
             }
-            if caps.ffi.picks(g, s.node) {
+            if kernels.contains(&s.node) {
                 Lowering::Ffi
             } else if strategy == ConvLowering::Im2col {
                 Lowering::Im2col
@@ -518,7 +523,7 @@ pub(crate) fn candidates(g: &Graph, s: &Site, caps: &Caps) -> (Vec<Lowering>, Lo
             if caps.ffi != FfiMode::Off && dot_supported(d, a, b) {
                 out.push(Lowering::Ffi);
             }
-            if caps.ffi.picks(g, s.node) {
+            if kernels.contains(&s.node) {
                 Lowering::Ffi
             } else {
                 Lowering::Xla
@@ -967,11 +972,12 @@ impl Tuner {
         let tuning = settings.enabled && caps.tunable();
         let deadline = Instant::now() + settings.budget;
         let mut out = Vec::new();
+        let kernels = rule_selection(g, caps.ffi);
         for id in g.topo_order() {
             let Some(s) = site(g, id) else { continue };
             // The rule's choices are reported only where autotune could have chosen.
             let record = tuning && record(id);
-            let (cands, rule) = candidates(g, &s, caps);
+            let (cands, rule) = candidates(g, &s, caps, &kernels);
             let timed = tuning
                 && cands.len() > 1
                 && matches!(s.dtype, DType::F32 | DType::F64)

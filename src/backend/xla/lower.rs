@@ -945,11 +945,12 @@ pub fn lower(graph: &Graph) -> Result<String> {
     lower_with_ffi(graph, FfiMode::Off)
 }
 
-/// Lowers `graph` like [`lower`], with `ffi` choosing which `Op::Conv`, `Op::DotGeneral` (and
-/// the transposes they absorb) become custom calls to kiln's libtorch kernels
-/// ([`super::kernels`]); the caller must have checked that the plugin runs them.
+/// Lowers `graph` like [`lower`], with `ffi`'s rule choosing which `Op::Conv`,
+/// `Op::DotGeneral` (and the transposes they absorb) become custom calls to kiln's libtorch
+/// kernels ([`kernels::rule_selection`]); the caller must have checked that the plugin runs
+/// them.
 pub fn lower_with_ffi(graph: &Graph, ffi: FfiMode) -> Result<String> {
-    lower_with(graph, &ffi)
+    lower_with(graph, &kernels::rule_selection(graph, ffi))
 }
 
 /// Lowers `graph` like [`lower`], with `ffi` choosing which convolutions and dots (and the

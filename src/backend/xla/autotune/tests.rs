@@ -1,7 +1,7 @@
 //! Autotune's decisions with an injected timer (no plugin needed), its choice file and keys.
 
 use super::*;
-use crate::backend::xla::kernels::FfiSelect;
+use crate::backend::xla::kernels::serial_kernels;
 use crate::ir::{ConvAttrs, DotDims, TensorType};
 use std::cell::RefCell;
 
@@ -236,7 +236,7 @@ fn rule_mode_and_spent_budget_give_the_rules_choices_without_timing() {
         let n = g.node(id);
         let (a, b) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
         match &n.op {
-            Op::Conv(_) if FfiMode::Auto.picks(&g, id) => Lowering::Ffi,
+            Op::Conv(_) if rule_selection(&g, FfiMode::Auto).contains(&id) => Lowering::Ffi,
             Op::Conv(c) if ConvStrategy::auto_rule(c, a, b) == ConvLowering::Im2col => {
                 Lowering::Im2col
             }
@@ -273,6 +273,55 @@ fn rule_mode_and_spent_budget_give_the_rules_choices_without_timing() {
     };
     assert!(!all.tunable());
     assert!(caps().tunable());
+}
+
+/// Where the rule's kernels would run serially (here: beside a 2 GFLOP product XLA keeps),
+/// its ungrouped convolutions go to XLA; the depthwise one and the dot stay kernels.
+#[test]
+fn rule_keeps_only_grouped_convolutions_among_serial_kernels() {
+    let rule = Autotune {
+        enabled: false,
+        ..settings()
+    };
+    for big_dot in [false, true] {
+        let (mut g, [c1, c2, c3, c4, d]) = graph();
+        if big_dot {
+            let a = g.add_input(InputKind::Data, "ba", t(&[1024, 1024]));
+            let b = g.add_input(InputKind::Data, "bb", t(&[1024, 1024]));
+            let dims = DotDims {
+                lhs_batch: vec![],
+                rhs_batch: vec![],
+                lhs_contract: vec![1],
+                rhs_contract: vec![0],
+            };
+            let p = g.add(Op::DotGeneral(dims), &[a, b]).unwrap();
+            let mut outs = g.outputs().to_vec();
+            outs.push(p);
+            g.set_outputs(outs).unwrap();
+        }
+        let got = choose(
+            &mut Tuner::default(),
+            &g,
+            &rule,
+            &FakeTimer::new(Vec::new()),
+        );
+        let kernels: HashSet<NodeId> = got
+            .iter()
+            .filter(|(_, c)| c.0 == Lowering::Ffi)
+            .map(|(&n, _)| n)
+            .collect();
+        let conv = if big_dot {
+            Lowering::Xla
+        } else {
+            Lowering::Ffi
+        };
+        let want = [conv, conv, Lowering::Xla, Lowering::Ffi, Lowering::Ffi];
+        for (id, want) in [c1, c2, c3, c4, d].into_iter().zip(want) {
+            assert_eq!(got[&id].0, want, "node {id:?}, big product: {big_dot}");
+        }
+        // Serial still: the depthwise convolution and the dot are a small share.
+        assert_eq!(serial_kernels(&g, &kernels), big_dot);
+    }
 }
 
 #[test]

@@ -80,6 +80,7 @@ use conv::transposed_weight;
 use dot::dot_dims_of;
 
 use crate::ir::{ConvAttrs, DType, DotDims, Graph, NodeId, Op, TensorType};
+use std::collections::HashSet;
 
 /// The custom call target of kiln's convolution kernel.
 pub const CONV_TARGET: &str = "kiln_conv_v1";
@@ -110,9 +111,9 @@ impl FfiMode {
         match self {
             FfiMode::Off => "off",
             // The rule's packed linears depend on oneDNN's ISA (`auto_packed_linear`).
-            FfiMode::Auto if !packed_conv_enabled() => "auto11-unpacked",
-            FfiMode::Auto if onednn::avx512() => "auto11-avx512",
-            FfiMode::Auto => "auto11",
+            FfiMode::Auto if !packed_conv_enabled() => "auto12-unpacked",
+            FfiMode::Auto if onednn::avx512() => "auto12-avx512",
+            FfiMode::Auto => "auto12",
             FfiMode::All if packed_conv_enabled() => "all4",
             FfiMode::All => "all4-unpacked",
         }
@@ -517,6 +518,35 @@ impl FfiSelect for FfiMode {
     }
 }
 
+/// The nodes of `g` that `mode`'s rule hands to libtorch: those [`FfiSelect::picks`] accepts
+/// node by node (and the kernels support), then one look at the whole graph: where those
+/// kernels would run serially ([`serial_kernels`]: a few kernels among much of XLA's work),
+/// ungrouped convolutions go back to XLA; grouped ones, and dots, stay kernels. The XLA
+/// backend lowers by this set under its rule (autotune off).
+///
+/// Why: a serial kernel has one libtorch thread where XLA's convolution has the whole pool,
+/// and XLA is within about 2× of libtorch's two threads on ungrouped convolutions (3–60×
+/// behind on grouped ones). squeezenet1_1's fused training step (2-vCPU Zen 3, compiled
+/// alone, ms): 34.1 / 31.2 / 36.6 / 52.0 / 40.2 with its six gradient-convolution kernels
+/// (9–14 ms of it in them) against 28.4 / 25.0 / 27.1 / 34.5 / 27.8 without; its split
+/// step 44.3 / 37.1 → 42.4 / 25.8. mobilenet_v2's and mnasnet1_0's steps (whose kernels
+/// are all grouped) and vit's do not change.
+pub fn rule_selection(g: &Graph, mode: FfiMode) -> HashSet<NodeId> {
+    let mut set: HashSet<NodeId> = g
+        .petgraph()
+        .node_indices()
+        .filter(|&id| matches!(g.node(id).op, Op::Conv(_) | Op::DotGeneral(_)))
+        .filter(|&id| picked(g, id, &mode))
+        .collect();
+    if mode == FfiMode::Auto && serial_kernels(g, &set) {
+        set.retain(|&id| match &g.node(id).op {
+            Op::Conv(c) => c.feature_groups > 1 || c.batch_groups > 1,
+            _ => true,
+        });
+    }
+    set
+}
+
 /// Is convolution `id` (attributes `c`) one of autograd's gradient convolutions: an input
 /// gradient (its kernel is a forward weight reversed, [`forward_weight_of`]) or a weight
 /// gradient ([`weight_gradient_operands_of`])? [`FfiMode::Auto`] hands ungrouped forward
@@ -528,7 +558,7 @@ fn is_gradient_conv(g: &Graph, id: NodeId, c: &ConvAttrs) -> bool {
     forward_weight_of(g, n.operands[1], c).is_some() || weight_gradient_operands_of(g, id).is_some()
 }
 
-impl FfiSelect for std::collections::HashSet<NodeId> {
+impl FfiSelect for HashSet<NodeId> {
     fn picks(&self, _g: &Graph, id: NodeId) -> bool {
         self.contains(&id)
     }
