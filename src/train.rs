@@ -736,12 +736,14 @@ impl<B: Backend> TrainStep<B> {
         for (k, &var) in d.updates.iter().enumerate() {
             s.update(outs[1 + k], var)?;
         }
-        let params: Vec<(NodeId, Tensor)> = d
-            .params
-            .iter()
-            .map(|(i, t)| (s.input_node(*i), t.clone()))
-            .collect();
-        self.add_updates(&mut s, &params, &outs[1 + d.updates.len()..], scale_node)?;
+        let grads = &outs[1 + d.updates.len()..];
+        let mut params = Vec::with_capacity(d.params.len());
+        for ((i, t), &grad) in d.params.iter().zip(grads) {
+            let p = s.input_node(*i);
+            let p = ordered_read(s.graph(), p, grad, t.ty().shape.numel())?;
+            params.push((p, t.clone()));
+        }
+        self.add_updates(&mut s, &params, grads, scale_node)?;
         if let Some(ri) = d.rng_input {
             advance_key(&mut s, ri, d.key_var)?;
         }
@@ -1135,4 +1137,56 @@ impl EagerTrainStep {
         }
         Ok(l.f_double_value(&[])?)
     }
+}
+
+/// Parameters of at least this many elements are read by the fused step's update after
+/// the products that read them ([`ordered_read`]). Measured (2-vCPU Xeon with AVX-512, fused
+/// SGD-momentum step, ms, ordered / not, interleaved in one process): alexnet 142 / 208,
+/// vgg16 433 / 650, resnet18 71 / 74; vit, bert, mobilenet_v2 and squeezenet1_1 level. From
+/// 2^16 elements on, vit's step was 1–4 % slower: the update of a small weight then waits
+/// for its gradient products when it could run beside them.
+pub(crate) const ORDERED_UPDATE_MIN_ELEMENTS: usize = 1 << 20;
+
+/// The value the fused step's update reads for parameter `p` (gradient `grad`, `numel`
+/// elements): `p` itself, or, for a large one that only convolutions and products read,
+/// `p` behind an [`Op::Barrier`] on its gradient and on those products. Why: XLA updates a
+/// donated parameter in place only if every other read of it comes first, and the input
+/// gradient's product (`dy · W`) does not lead to the weight's update, so XLA copies the
+/// weight on entry instead (resnet18: 58 parameters, 47 MB a step; vgg16: 553 MB). Reads
+/// other than products (an embedding's gather) stay unordered, and so does the copy.
+fn ordered_read(g: &mut Graph, p: NodeId, grad: NodeId, numel: usize) -> Result<NodeId> {
+    if numel < ORDERED_UPDATE_MIN_ELEMENTS {
+        return Ok(p);
+    }
+    match products_reading(g, p) {
+        Some(products) => {
+            let mut deps = vec![p, grad];
+            deps.extend(products.into_iter().filter(|&r| r != grad));
+            g.add(Op::Barrier, &deps)
+        }
+        None => Ok(p),
+    }
+}
+
+/// The convolutions and products that read `p`, directly or through layout ops (transpose,
+/// reshape, reverse, convert); `None` if anything else reads it.
+fn products_reading(g: &Graph, p: NodeId) -> Option<Vec<NodeId>> {
+    let mut out = Vec::new();
+    let mut stack = vec![p];
+    let mut seen = HashSet::new();
+    while let Some(n) = stack.pop() {
+        for u in g.users(n) {
+            if !seen.insert(u) {
+                continue;
+            }
+            match g.node(u).op {
+                Op::Conv(_) | Op::DotGeneral(_) => out.push(u),
+                Op::Transpose(_) | Op::Reshape(_) | Op::Reverse(_) | Op::Convert(_) => {
+                    stack.push(u)
+                }
+                _ => return None,
+            }
+        }
+    }
+    Some(out)
 }

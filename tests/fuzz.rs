@@ -88,6 +88,7 @@ enum Kind {
     Take,
     ScatterAdd,
     AllReduce(ReduceKind),
+    Barrier,
 }
 
 /// The kind of an op. Exhaustive: a new `Op` variant does not compile here until it has a
@@ -117,6 +118,7 @@ fn kind_of(op: &Op) -> Kind {
         Op::Take { .. } => Kind::Take,
         Op::ScatterAdd { .. } => Kind::ScatterAdd,
         Op::AllReduce(r) => Kind::AllReduce(*r),
+        Op::Barrier => Kind::Barrier,
     }
 }
 
@@ -229,9 +231,12 @@ fn all_kinds() -> Vec<Kind> {
             Kind::Conv => Some(Kind::Take),
             Kind::Take => Some(Kind::ScatterAdd),
             Kind::ScatterAdd => Some(Kind::AllReduce(REDUCE[0])),
-            Kind::AllReduce(r) => REDUCE
-                .get(REDUCE.iter().position(|&x| x == r).unwrap() + 1)
-                .map(|&r| Kind::AllReduce(r)),
+            Kind::AllReduce(r) => Some(
+                REDUCE
+                    .get(REDUCE.iter().position(|&x| x == r).unwrap() + 1)
+                    .map_or(Kind::Barrier, |&r| Kind::AllReduce(r)),
+            ),
+            Kind::Barrier => None,
         };
     }
     v
@@ -743,6 +748,13 @@ impl Gen {
                 let a = self.operand_where(|d| d != DType::Bool, 0, 3);
                 (Op::AllReduce(r), vec![a])
             }
+            // The value of its first operand, ordered after the others (of any types).
+            Kind::Barrier => {
+                let a = self.operand_where(|_| true, 0, 3);
+                let b = self.operand_where(|_| true, 0, 3);
+                let c = self.operand_where(|_| true, 0, 2);
+                (Op::Barrier, vec![a, b, c])
+            }
         }
     }
 
@@ -908,7 +920,8 @@ fn tolerance(op: &Op, operand_types: &[&TensorType]) -> Tol {
         | Op::Pad { .. }
         | Op::Reverse(_)
         | Op::Take { .. }
-        | Op::AllReduce(_) => Tol::Exact,
+        | Op::AllReduce(_)
+        | Op::Barrier => Tol::Exact,
         Op::Unary(u) => match u {
             UnaryOp::Neg
             | UnaryOp::Abs

@@ -11,7 +11,7 @@ mod common;
 
 use common::{batch, mse, rel_err_l2, sgd_step, store_values, Net};
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::XlaBackend;
+use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::backend::Backend;
 use kiln::nn::{Init, Linear, Module, ParamStore};
 use kiln::optim::{AdamW, Optimizer, Sgd};
@@ -420,5 +420,76 @@ fn a_train_step_moves_to_another_thread() -> kiln::Result<()> {
         }
     };
     assert_eq!(run(false)?, run(true)?);
+    Ok(())
+}
+
+/// A weight of 2^20 elements (4 MiB) is updated in place in the fused step: its update is
+/// ordered after the products that read it (`Op::Barrier`, lowered to kiln's ordering call
+/// where the kernels are in the plugin), so XLA copies no donated parameter of that size on
+/// entry; the step still matches eager.
+#[test]
+fn a_large_weight_is_updated_in_place_and_matches_eager() -> kiln::Result<()> {
+    // l1's weight is read by its product and, for l0's gradient, by its input gradient.
+    let loss = |(l0, l1, l2): (Linear, Linear, Linear)| {
+        move |xs: &[Tensor]| {
+            let h = l0.forward(&xs[0])?.tanh()?;
+            l2.forward(&l1.forward(&h)?.tanh()?)?
+                .sub(&xs[1])?
+                .square()?
+                .mean_all()
+        }
+    };
+    let model = |store: &ParamStore| -> kiln::Result<(Linear, Linear, Linear)> {
+        let r = store.root();
+        Ok((
+            Linear::new(&r.sub("l0"), 16, 1024, true)?,
+            Linear::new(&r.sub("l1"), 1024, 1024, true)?,
+            Linear::new(&r.sub("l2"), 1024, 4, true)?,
+        ))
+    };
+    let opt = Sgd::new().momentum(0.9);
+    let xla = XlaBackend::new()?;
+    // Without the kernels the barrier is dropped (and the weight copied); same values.
+    let off = xla.with_options(XlaOptions::default().ffi(FfiMode::Off));
+    for backend in [xla, off] {
+        let eager_store = ParamStore::with_seed(5);
+        let mut eager =
+            EagerTrainStep::new(&eager_store, opt, loss(model(&eager_store)?))?.with_lr(0.1);
+        let store = ParamStore::with_seed(5);
+        let ordered = backend.effective_ffi() != FfiMode::Off;
+        let mut step = TrainStep::new(backend, &store, opt, loss(model(&store)?))?
+            .with_mode(TrainMode::Fused)
+            .with_lr(0.1);
+        for s in 0..3 {
+            let xs = [
+                Tensor::randn(&[8, 16], s)?,
+                Tensor::randn(&[8, 4], s + 100)?,
+            ];
+            let (le, lc) = (eager.step(&xs)?, step.step(&xs)?);
+            assert!(
+                (le - lc).abs() <= 1e-5 * le.abs().max(1.0),
+                "step {s}: {lc} vs {le}"
+            );
+        }
+        let xs = [Tensor::randn(&[8, 16], 0)?, Tensor::randn(&[8, 4], 100)?];
+        let fused = step.inspect(&xs)?.remove(0);
+        let barriers = fused
+            .graph()
+            .petgraph()
+            .node_indices()
+            .filter(|&n| fused.graph().node(n).op == kiln::ir::Op::Barrier)
+            .count();
+        if ordered {
+            assert_eq!(barriers, 1, "only l1's weight is large enough to order");
+            let hlo = fused.text("optimized_hlo")?;
+            assert!(!hlo.contains("f32[1024,1024]{1,0} copy("), "{hlo}");
+        }
+        step.sync_to_store()?;
+        for ((name, got), (_, want)) in store_values(&store).iter().zip(store_values(&eager_store))
+        {
+            let e = rel_err_l2(got, &want);
+            assert!(e < 1e-5, "{name} differs from eager by {e:e}");
+        }
+    }
     Ok(())
 }

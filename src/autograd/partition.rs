@@ -121,7 +121,8 @@ fn is_cheap(op: &Op) -> bool {
         | Op::Conv(_)
         | Op::Take { .. }
         | Op::ScatterAdd { .. }
-        | Op::AllReduce(_) => false,
+        | Op::AllReduce(_)
+        | Op::Barrier => false,
     }
 }
 

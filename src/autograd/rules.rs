@@ -327,6 +327,10 @@ pub fn vjp(g: &mut Graph, node: NodeId, ct: NodeId, needs: &[bool]) -> Result<Ve
         // Every replica's loss reads the sum, so each operand's gradient sums the replicas'
         // cotangents.
         Op::AllReduce(ReduceKind::Sum) => vec![Some(b.op(Op::AllReduce(ReduceKind::Sum), &[ct])?)],
+        // The value is operand 0's; the others only order it.
+        Op::Barrier => (0..ops.len())
+            .map(|i| (i == 0 && need(0)).then_some(ct))
+            .collect(),
         Op::AllReduce(kind @ (ReduceKind::Max | ReduceKind::Min)) => {
             return Err(Error::Unsupported {
                 backend: "autograd".into(),

@@ -495,6 +495,15 @@ pub enum Op {
     /// Float max/min across replicas follow the device's collective, which need not propagate
     /// NaN as [`Op::Reduce`] does.
     AllReduce(ReduceKind),
+    /// Operand 0, available only once every operand is computed (`stablehlo.optimization_barrier`
+    /// in meaning; the XLA backend lowers it to a custom call of its own, since XLA's CPU
+    /// compiler drops optimization barriers before copy insertion): an ordering, not a
+    /// computation. A fused training step's update reads a large weight through one whose
+    /// other operands are the weight's gradient and the products that read it, so that XLA can
+    /// update the donated buffer in place; without it the input gradient's product, which also
+    /// reads the weight, is unordered with the update, and XLA copies the weight on entry.
+    /// Result type is operand 0's.
+    Barrier,
 }
 
 impl Op {
@@ -524,6 +533,7 @@ impl Op {
             Op::Take { .. } => "take",
             Op::ScatterAdd { .. } => "scatter_add",
             Op::AllReduce(_) => "all_reduce",
+            Op::Barrier => "barrier",
         }
     }
 
@@ -830,6 +840,10 @@ impl Op {
                 }
                 Ok(operands[0].clone())
             }
+            Op::Barrier => match operands.first() {
+                Some(t) => Ok((*t).clone()),
+                None => err("needs at least one operand".into()),
+            },
         }
     }
 }

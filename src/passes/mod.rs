@@ -1,6 +1,7 @@
 //! Graph-to-graph passes. Each does one thing and is tested alone; [`run_passes`] composes them
 //! to a fixpoint (luminal's `Looped` compilers, without the tuples).
 
+mod barrier;
 mod cast;
 mod cse;
 mod dce;
@@ -8,6 +9,7 @@ mod dedup;
 mod im2col;
 mod widen;
 
+pub use barrier::StripBarriers;
 pub use cast::{autocast_graph, cast_graph};
 pub use cse::Cse;
 pub use dce::Dce;

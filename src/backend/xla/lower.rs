@@ -728,6 +728,30 @@ impl<'g> Emitter<'g> {
             }
             Lowering::ScatterAdd(axis) => self.scatter_add(&res, axis, &args, n),
             Lowering::AllReduce(kind) => self.all_reduce(&res, kind, &args[0], n),
+            Lowering::Barrier if !self.ffi.orders() => {
+                let value = self.name(n.operands[0]).to_string();
+                self.names.insert(id, value);
+                return;
+            }
+            Lowering::Barrier => {
+                // kiln's ordering call (XLA's CPU compiler drops optimization barriers before
+                // copy insertion): the result is operand 0, in operand 0's buffer.
+                let operands: Vec<&TensorType> =
+                    n.operands.iter().map(|&o| &self.g.node(o).ty).collect();
+                let attrs = format!(
+                    "{}, output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], operand_index = 0, operand_tuple_indices = []>]",
+                    kernels::custom_call_attrs(kernels::AFTER_TARGET, "", &operands, &n.ty)
+                );
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                self.generic(
+                    &res,
+                    "stablehlo.custom_call",
+                    &args,
+                    &arg_tys,
+                    &attrs,
+                    &out_ty,
+                )
+            }
         }
         self.names.insert(id, res);
     }
@@ -758,6 +782,8 @@ enum Lowering<'g> {
     ScatterAdd(usize),
     /// A cross-replica reduction ([`Emitter::all_reduce`]).
     AllReduce(ReduceKind),
+    /// `stablehlo.optimization_barrier` over all operands; the node is its first result.
+    Barrier,
 }
 
 /// The lowering table: for each op, the StableHLO op and attributes it becomes, or which
@@ -836,6 +862,7 @@ fn lowering<'g>(g: &Graph, n: &'g Node) -> Lowering<'g> {
         Op::SelectAndScatter(attrs) => Lowering::SelectAndScatter(attrs),
         Op::ScatterAdd { axis } => Lowering::ScatterAdd(*axis),
         Op::AllReduce(kind) => Lowering::AllReduce(*kind),
+        Op::Barrier => Lowering::Barrier,
     }
 }
 
@@ -950,7 +977,11 @@ pub fn lower(graph: &Graph) -> Result<String> {
 /// kernels ([`kernels::rule_selection`]); the caller must have checked that the plugin runs
 /// them.
 pub fn lower_with_ffi(graph: &Graph, ffi: FfiMode) -> Result<String> {
-    lower_with(graph, &kernels::rule_selection(graph, ffi))
+    match ffi {
+        // No kernels, and no ordering call either (`FfiSelect::orders`).
+        FfiMode::Off => lower_with(graph, &ffi),
+        _ => lower_with(graph, &kernels::rule_selection(graph, ffi)),
+    }
 }
 
 /// Lowers `graph` like [`lower`], with `ffi` choosing which convolutions and dots (and the
@@ -1091,6 +1122,27 @@ mod tests {
         );
         assert!(lower(&g).unwrap().contains("mhlo.num_replicas = 1 : i32"));
         assert!(lower_replicated(&g, &FfiMode::Off, 0).is_err());
+    }
+
+    #[test]
+    fn a_barrier_is_the_ordering_call_with_the_kernels_and_its_operand_without() {
+        let mut g = Graph::new();
+        let t = |d: &[usize]| TensorType::new(DType::F32, d);
+        let p = g.add_input(InputKind::Parameter, "p", t(&[2, 3]));
+        let x = g.add_input(InputKind::Data, "x", t(&[4]));
+        let b = g.add(Op::Barrier, &[p, x]).unwrap();
+        let y = g.add(Op::Unary(UnaryOp::Neg), &[b]).unwrap();
+        g.set_outputs(vec![y]).unwrap();
+        let text = lower_with_ffi(&g, FfiMode::Auto).unwrap();
+        assert!(
+            text.contains("\"stablehlo.custom_call\"(%arg0, %arg1)")
+                && text.contains(kernels::AFTER_TARGET)
+                && text.contains("operand_index = 0"),
+            "{text}"
+        );
+        let text = lower(&g).unwrap();
+        assert!(!text.contains("custom_call"), "{text}");
+        assert!(text.contains("stablehlo.negate\"(%arg0)"), "{text}");
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub use replicated::{Replicated, ReplicatedBuffer};
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::ir::{DType, Fingerprint, Graph, InputKind, NodeId, TensorType};
-use crate::passes::{im2col_nodes, Pass, WidenHalf};
+use crate::passes::{im2col_nodes, Pass, StripBarriers, WidenHalf};
 use autotune::{Caps, GraphChoice, Source, Tuner, Variant};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
@@ -359,6 +359,13 @@ impl XlaBackend {
     /// dots become calls to kiln's libtorch kernels where their chosen lowering is
     /// [`Lowering::Ffi`] (see [`XlaBackend::choices`]).
     pub fn lower(&self, graph: &Graph) -> Result<String> {
+        let barrier = |id| graph.node(id).op == crate::ir::Op::Barrier;
+        if self.effective_ffi() == FfiMode::Off && graph.petgraph().node_indices().any(barrier) {
+            // As `rewrite` does: the ordering call is one of the kernels.
+            let mut g = graph.clone();
+            StripBarriers.run(&mut g)?;
+            return self.lower(&g);
+        }
         let tuning = self.autotuning();
         let variant = match tuning.then(|| self.rewritten_variant(&graph.fingerprint())) {
             Some(Some(v)) => v,
@@ -922,6 +929,10 @@ impl Backend for XlaBackend {
 
     fn rewrite(&self, graph: &mut Graph) -> Result<()> {
         WidenHalf.run(graph)?;
+        // The ordering barriers lower to one of kiln's kernels; without them, no order.
+        if self.effective_ffi() == FfiMode::Off {
+            StripBarriers.run(graph)?;
+        }
         if !self.autotuning() {
             return self.apply_variant(graph, Variant::Rule, &|_| false);
         }

@@ -42,7 +42,7 @@ pub(crate) fn mark_serial(attrs: &str) -> String {
     )
 }
 
-pub(super) fn custom_call_attrs(
+pub(crate) fn custom_call_attrs(
     target: &str,
     config: &str,
     operands: &[&TensorType],

@@ -41,6 +41,7 @@
 //! A plugin without the FFI extension, or not a CPU plugin, gets pure XLA lowering (see
 //! `XlaBackend::ffi_status`).
 
+mod after;
 mod conv;
 mod dot;
 mod mlir;
@@ -55,10 +56,10 @@ pub use conv::{
     conv, conv_form, conv_out_dims, effective_dims, effective_kernel_dims, weight_gradient_direct,
 };
 pub use dot::{DotPlan, TinyDot, TINY_DOT_MAX_FLOPS};
-pub(crate) use mlir::mark_serial;
 pub use mlir::{
     conv_call_attrs, conv_call_attrs_form, conv_call_mlir, dot_call_attrs, dot_call_mlir,
 };
+pub(crate) use mlir::{custom_call_attrs, mark_serial};
 pub use onednn::avx512 as onednn_avx512;
 pub use packed::{packed_conv_enabled, PACKED_CONV_TARGET};
 pub use packed_linear::PACKED_LINEAR_TARGET;
@@ -68,6 +69,8 @@ pub use threads::{
 };
 pub use weights::{clear_weight_cache, weight_cache_stats, WeightCacheStats};
 
+pub(crate) use after::AfterKernel;
+pub use after::AFTER_TARGET;
 pub(crate) use conv::ConvKernel;
 pub(crate) use dot::DotKernel;
 pub(crate) use packed::{packed_conv, PackedConvKernel};
@@ -487,9 +490,21 @@ pub trait FfiSelect {
     /// support ([`conv_supported`], [`dot_supported`]) is never handed to them whatever this
     /// says.
     fn picks(&self, g: &Graph, id: NodeId) -> bool;
+
+    /// Does an [`Op::Barrier`] lower to kiln's ordering call ([`AFTER_TARGET`]), which needs
+    /// the kernels registered in the plugin? Otherwise it lowers to its first operand (the
+    /// order is dropped, the value is the same). Sets of nodes are chosen among the kernels,
+    /// so they say yes.
+    fn orders(&self) -> bool {
+        true
+    }
 }
 
 impl FfiSelect for FfiMode {
+    fn orders(&self) -> bool {
+        *self != FfiMode::Off
+    }
+
     fn picks(&self, g: &Graph, id: NodeId) -> bool {
         let n = g.node(id);
         if n.operands.len() != 2 {

@@ -1,7 +1,8 @@
 //! Registering the kernels with a plugin and checking them once.
 
 use super::{
-    conv_call_mlir, dot_call_mlir, ConvKernel, DotKernel, PackedConvKernel, PackedLinearKernel,
+    conv_call_mlir, dot_call_mlir, AfterKernel, ConvKernel, DotKernel, PackedConvKernel,
+    PackedLinearKernel,
 };
 use crate::backend::xla::lower::tensor_type;
 use crate::error::{Error, Result};
@@ -26,6 +27,7 @@ pub(crate) fn enable(backend: &crate::backend::xla::XlaBackend) -> std::result::
         .and_then(|()| api.register_ffi_kernel::<DotKernel>())
         .and_then(|()| api.register_ffi_kernel::<PackedConvKernel>())
         .and_then(|()| api.register_ffi_kernel::<PackedLinearKernel>())
+        .and_then(|()| api.register_ffi_kernel::<AfterKernel>())
         .map_err(|e| format!("registering the FFI handlers failed: {e}"))?;
     self_test(backend).map_err(|e| format!("the FFI self-test failed: {e}"))
 }

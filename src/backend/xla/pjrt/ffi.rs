@@ -306,6 +306,66 @@ impl Call<'_> {
         unsafe { buffer_ref(p.cast(), "operand", i) }
     }
 
+    /// Makes result `r` hold operand `a`'s value (the same type and shape, any element type):
+    /// nothing to do when XLA gave the two one buffer (the call declares
+    /// `output_operand_aliases`), else a byte copy.
+    pub fn forward_operand(&self, a: usize, r: usize) -> Result<()> {
+        let raw = |bufs: *const *mut c_void, types: *const u32, size: i64, i: usize, what| {
+            if i >= size.max(0) as usize {
+                return Err(Error::Invalid(format!(
+                    "{what} {i} requested, the call has {size}"
+                )));
+            }
+            // SAFETY: `i < size`; `types` and the buffer array hold `size` entries (XLA FFI
+            // contract).
+            let (ty, p) = unsafe { (*types.add(i), *bufs.add(i)) };
+            if ty != XLA_FFI_ArgType_BUFFER || p.is_null() {
+                return Err(Error::Invalid(format!("{what} {i} is not a buffer")));
+            }
+            // SAFETY: a BUFFER entry is an `XLA_FFI_Buffer` valid for this call.
+            Ok(unsafe { &*p.cast::<XLA_FFI_Buffer>() })
+        };
+        let (args, rets) = (&self.frame.args, &self.frame.rets);
+        let src = raw(args.args, args.types, args.size, a, "operand")?;
+        let dst = raw(rets.rets, rets.types, rets.size, r, "result")?;
+        if src.data == dst.data {
+            return Ok(());
+        }
+        let dims = |b: &XLA_FFI_Buffer| -> &[i64] {
+            if b.rank <= 0 || b.dims.is_null() {
+                &[]
+            } else {
+                // SAFETY: `dims` holds `rank` entries valid for the call.
+                unsafe { std::slice::from_raw_parts(b.dims, b.rank as usize) }
+            }
+        };
+        if src.dtype != dst.dtype || dims(src) != dims(dst) {
+            return Err(Error::Invalid(format!(
+                "result {r} ({:?}, type {}) is not of operand {a}'s type ({:?}, type {})",
+                dims(dst),
+                dst.dtype,
+                dims(src),
+                src.dtype
+            )));
+        }
+        let width = xla_ffi_data_type_bytes(src.dtype).ok_or_else(|| {
+            Error::Invalid(format!("operand {a} has XLA element type {}", src.dtype))
+        })?;
+        let bytes = dims(src).iter().product::<i64>().max(0) as usize * width;
+        if bytes > 0 {
+            if src.data.is_null() || dst.data.is_null() {
+                return Err(Error::Invalid("buffer with null data".into()));
+            }
+            // SAFETY: both buffers hold `bytes` bytes (same type and dims) for this call, and
+            // are distinct XLA allocations (checked unequal above; XLA never overlaps an
+            // operand with a result it did not alias).
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.data.cast::<u8>(), dst.data.cast::<u8>(), bytes)
+            };
+        }
+        Ok(())
+    }
+
     /// The address of operand `i`'s data, of any element type: for identity only (the
     /// packed-weight cache's keys), never read through.
     pub fn arg_address(&self, i: usize) -> Result<usize> {
@@ -357,7 +417,8 @@ impl Call<'_> {
         let p = b.typed_ptr::<T>()?;
         self.taken.set(self.taken.get() | bit);
         // SAFETY: as in `BufferRef::as_slice`; a result buffer is this call's own output,
-        // aliased by no operand (kiln's custom calls declare no operand aliasing), and the
+        // aliased by no operand (the one kiln call that declares operand aliasing, the ordering
+        // call, never takes a result slice), and the
         // `taken` bit makes this the only slice of it handed out during the call, which the
         // borrow of `self` does not outlive.
         Ok(unsafe { std::slice::from_raw_parts_mut(p, b.numel()) })

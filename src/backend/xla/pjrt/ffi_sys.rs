@@ -109,6 +109,19 @@ pub type XLA_FFI_Error_Create =
 pub const XLA_FFI_DataType_F32: u32 = 11;
 pub const XLA_FFI_DataType_F64: u32 = 12;
 
+/// The size in bytes of one element of an `XLA_FFI_DataType` (XLA's `PrimitiveType`), for
+/// the types kiln's graphs hold.
+pub fn xla_ffi_data_type_bytes(t: u32) -> Option<usize> {
+    match t {
+        1 | 2 | 6 => Some(1),       // PRED, S8, U8
+        3 | 7 | 10 | 16 => Some(2), // S16, U16, F16, BF16
+        4 | 8 | 11 => Some(4),      // S32, U32, F32
+        5 | 9 | 12 | 15 => Some(8), // S64, U64, F64, C64
+        18 => Some(16),             // C128
+        _ => None,
+    }
+}
+
 /// `XLA_FFI_Buffer`: a dense row-major array (data allocated by XLA).
 #[repr(C)]
 pub struct XLA_FFI_Buffer {
