@@ -288,70 +288,60 @@ impl Call<'_> {
         Ok(())
     }
 
+    /// Operand `i`'s `XLA_FFI_Buffer` (possibly null), checked to be in range and a buffer.
+    fn arg_entry(&self, i: usize) -> Result<*const XLA_FFI_Buffer> {
+        let a = &self.frame.args;
+        // SAFETY: `types` and `args` hold `size` entries (XLA FFI contract).
+        unsafe {
+            buffer_entry(
+                a.types,
+                a.args,
+                a.size,
+                i,
+                XLA_FFI_ArgType_BUFFER,
+                "operand",
+            )
+        }
+    }
+
+    /// Result `i`'s `XLA_FFI_Buffer` (possibly null), checked to be in range and a buffer.
+    fn ret_entry(&self, i: usize) -> Result<*const XLA_FFI_Buffer> {
+        let r = &self.frame.rets;
+        // SAFETY: `types` and `rets` hold `size` entries (XLA FFI contract).
+        unsafe { buffer_entry(r.types, r.rets, r.size, i, XLA_FFI_RetType_BUFFER, "result") }
+    }
+
     /// Operand `i`.
     pub fn arg(&self, i: usize) -> Result<BufferRef<'_>> {
-        let a = &self.frame.args;
-        if i >= self.num_args() {
-            return Err(Error::Invalid(format!(
-                "operand {i} requested, the call has {}",
-                self.num_args()
-            )));
-        }
-        // SAFETY: `i < size`; `types` and `args` hold `size` entries (XLA FFI contract).
-        let (ty, p) = unsafe { (*a.types.add(i), *a.args.add(i)) };
-        if ty != XLA_FFI_ArgType_BUFFER {
-            return Err(Error::Invalid(format!("operand {i} is not a buffer")));
-        }
         // SAFETY: an argument of type BUFFER is an `XLA_FFI_Buffer` valid for this call.
-        unsafe { buffer_ref(p.cast(), "operand", i) }
+        unsafe { buffer_ref(self.arg_entry(i)?, "operand", i) }
     }
 
     /// Makes result `r` hold operand `a`'s value (the same type and shape, any element type):
     /// nothing to do when XLA gave the two one buffer (the call declares
     /// `output_operand_aliases`), else a byte copy.
     pub fn forward_operand(&self, a: usize, r: usize) -> Result<()> {
-        let raw = |bufs: *const *mut c_void, types: *const u32, size: i64, i: usize, what| {
-            if i >= size.max(0) as usize {
-                return Err(Error::Invalid(format!(
-                    "{what} {i} requested, the call has {size}"
-                )));
-            }
-            // SAFETY: `i < size`; `types` and the buffer array hold `size` entries (XLA FFI
-            // contract).
-            let (ty, p) = unsafe { (*types.add(i), *bufs.add(i)) };
-            if ty != XLA_FFI_ArgType_BUFFER || p.is_null() {
-                return Err(Error::Invalid(format!("{what} {i} is not a buffer")));
-            }
-            // SAFETY: a BUFFER entry is an `XLA_FFI_Buffer` valid for this call.
-            Ok(unsafe { &*p.cast::<XLA_FFI_Buffer>() })
-        };
-        let (args, rets) = (&self.frame.args, &self.frame.rets);
-        let src = raw(args.args, args.types, args.size, a, "operand")?;
-        let dst = raw(rets.rets, rets.types, rets.size, r, "result")?;
+        let (src, dst) = (self.arg_entry(a)?, self.ret_entry(r)?);
+        if src.is_null() || dst.is_null() {
+            return Err(Error::Invalid(format!("operand {a} or result {r} is null")));
+        }
+        // SAFETY: non-null BUFFER entries are `XLA_FFI_Buffer`s valid for this call.
+        let (src, dst) = unsafe { (&*src, &*dst) };
         if src.data == dst.data {
             return Ok(());
         }
-        let dims = |b: &XLA_FFI_Buffer| -> &[i64] {
-            if b.rank <= 0 || b.dims.is_null() {
-                &[]
-            } else {
-                // SAFETY: `dims` holds `rank` entries valid for the call.
-                unsafe { std::slice::from_raw_parts(b.dims, b.rank as usize) }
-            }
-        };
-        if src.dtype != dst.dtype || dims(src) != dims(dst) {
+        // SAFETY: each buffer's `dims` holds `rank` entries valid for the call.
+        let (sd, dd) = unsafe { (raw_dims(src), raw_dims(dst)) };
+        if src.dtype != dst.dtype || sd != dd {
             return Err(Error::Invalid(format!(
                 "result {r} ({:?}, type {}) is not of operand {a}'s type ({:?}, type {})",
-                dims(dst),
-                dst.dtype,
-                dims(src),
-                src.dtype
+                dd, dst.dtype, sd, src.dtype
             )));
         }
         let width = xla_ffi_data_type_bytes(src.dtype).ok_or_else(|| {
             Error::Invalid(format!("operand {a} has XLA element type {}", src.dtype))
         })?;
-        let bytes = dims(src).iter().product::<i64>().max(0) as usize * width;
+        let bytes = sd.iter().product::<i64>().max(0) as usize * width;
         if bytes > 0 {
             if src.data.is_null() || dst.data.is_null() {
                 return Err(Error::Invalid("buffer with null data".into()));
@@ -369,38 +359,18 @@ impl Call<'_> {
     /// The address of operand `i`'s data, of any element type: for identity only (the
     /// packed-weight cache's keys), never read through.
     pub fn arg_address(&self, i: usize) -> Result<usize> {
-        let a = &self.frame.args;
-        if i >= self.num_args() {
-            return Err(Error::Invalid(format!(
-                "operand {i} requested, the call has {}",
-                self.num_args()
-            )));
-        }
-        // SAFETY: `i < size`; `types` and `args` hold `size` entries (XLA FFI contract).
-        let (ty, p) = unsafe { (*a.types.add(i), *a.args.add(i)) };
-        if ty != XLA_FFI_ArgType_BUFFER || p.is_null() {
+        let p = self.arg_entry(i)?;
+        if p.is_null() {
             return Err(Error::Invalid(format!("operand {i} is not a buffer")));
         }
-        // SAFETY: an argument of type BUFFER is an `XLA_FFI_Buffer` valid for this call.
-        Ok(unsafe { (*p.cast::<XLA_FFI_Buffer>()).data } as usize)
+        // SAFETY: a non-null BUFFER entry is an `XLA_FFI_Buffer` valid for this call.
+        Ok(unsafe { (*p).data } as usize)
     }
 
     /// Result `i`.
     pub fn ret(&self, i: usize) -> Result<BufferRef<'_>> {
-        let r = &self.frame.rets;
-        if i >= self.num_rets() {
-            return Err(Error::Invalid(format!(
-                "result {i} requested, the call has {}",
-                self.num_rets()
-            )));
-        }
-        // SAFETY: `i < size`; `types` and `rets` hold `size` entries.
-        let (ty, p) = unsafe { (*r.types.add(i), *r.rets.add(i)) };
-        if ty != XLA_FFI_RetType_BUFFER {
-            return Err(Error::Invalid(format!("result {i} is not a buffer")));
-        }
         // SAFETY: a result of type BUFFER is an `XLA_FFI_Buffer` valid for this call.
-        unsafe { buffer_ref(p.cast(), "result", i) }
+        unsafe { buffer_ref(self.ret_entry(i)?, "result", i) }
     }
 
     /// Result `i`'s elements, to write. Each result can be taken this way once per call (a
@@ -527,6 +497,47 @@ unsafe fn attr_value<'a>(ty: u32, p: *mut c_void) -> Attr<'a> {
     }
 }
 
+/// Entry `i` of an operand or result array (`what`) of `size` entries: its buffer pointer
+/// (possibly null), after checking that `i` is in range and that the entry's type is
+/// `buffer` (the array's BUFFER type).
+///
+/// # Safety
+/// `types` and `bufs` must hold `size` entries valid for the call.
+unsafe fn buffer_entry(
+    types: *const u32,
+    bufs: *const *mut c_void,
+    size: i64,
+    i: usize,
+    buffer: u32,
+    what: &str,
+) -> Result<*const XLA_FFI_Buffer> {
+    let n = size.max(0) as usize;
+    if i >= n {
+        return Err(Error::Invalid(format!(
+            "{what} {i} requested, the call has {n}"
+        )));
+    }
+    // SAFETY: `i < size` (caller's guarantee for the arrays).
+    let (ty, p) = unsafe { (*types.add(i), *bufs.add(i)) };
+    if ty != buffer {
+        return Err(Error::Invalid(format!("{what} {i} is not a buffer")));
+    }
+    Ok(p.cast())
+}
+
+/// A buffer's dims (none for rank 0 or a null `dims`).
+///
+/// # Safety
+/// `b.dims` must be null or hold `b.rank` entries valid for as long as `b` is borrowed.
+unsafe fn raw_dims(b: &XLA_FFI_Buffer) -> &[i64] {
+    if b.rank <= 0 || b.dims.is_null() {
+        &[]
+    } else {
+        // SAFETY: guaranteed by the caller.
+        unsafe { std::slice::from_raw_parts(b.dims, b.rank as usize) }
+    }
+}
+
 /// Reads an `XLA_FFI_Buffer`.
 ///
 /// # Safety
@@ -546,13 +557,8 @@ unsafe fn buffer_ref<'a>(b: *const XLA_FFI_Buffer, what: &str, i: usize) -> Resu
             )))
         }
     };
-    let rank = b.rank.max(0) as usize;
-    let dims = if rank == 0 {
-        &[][..]
-    } else {
-        // SAFETY: `dims` holds `rank` entries valid for the call.
-        unsafe { std::slice::from_raw_parts(b.dims, rank) }
-    };
+    // SAFETY: guaranteed by the caller.
+    let dims = unsafe { raw_dims(b) };
     if dims.iter().any(|&d| d < 0) {
         return Err(Error::Invalid(format!("{what} {i} has dims {dims:?}")));
     }
