@@ -37,7 +37,7 @@ fn to_f64(h: &HostTensor) -> HostTensor {
     HostTensor::from_slice(h.ty().shape.dims(), &h.to_f64_vec()).unwrap()
 }
 
-/// The graph with every input and node in f64 (same ops).
+/// The graph with every input and node in f64 (same ops; f32 constants converted).
 fn graph_f64(g: &Graph) -> Graph {
     let mut h = Graph::new();
     let mut map = std::collections::HashMap::new();
@@ -48,6 +48,11 @@ fn graph_f64(g: &Graph) -> Graph {
                 let inp = &g.inputs()[*i];
                 let ty = TensorType::new(DType::F64, inp.ty.shape.dims());
                 h.add_input(inp.kind.clone(), &inp.name, ty)
+            }
+            // f32 constants (a traced scale) keep their value, widened.
+            op @ Op::Constant(_) if n.ty.dtype == DType::F32 => {
+                let c = h.add(op.clone(), &[]).unwrap();
+                h.add(Op::Convert(DType::F64), &[c]).unwrap()
             }
             op => {
                 let ops: Vec<_> = n.operands.iter().map(|o| map[o]).collect();
@@ -195,6 +200,68 @@ fn dot_kernel_matches_xla_and_f64_reference() {
             let what = format!("dot {i} {dt} {a:?} {b:?} {d:?}");
             let (ef, en) = check(&what, &g, &ins, DOT_TARGET);
             println!("{what}: relative error FFI {ef:.2e}, XLA {en:.2e}");
+        }
+    }
+}
+
+/// Scaled dot-product attention as the tracer records it (scale, products, softmax, optional
+/// additive mask) becomes one attention call, and matches the float64 reference and XLA.
+#[test]
+fn attention_kernel_matches_xla_and_f64_reference() {
+    use kiln::backend::xla::kernels::ATTENTION_TARGET;
+    // (q, k, v): 4-d with heads, 3-d, and one where L != S and Dv != D.
+    let cases: [[&[usize]; 3]; 3] = [
+        [&[2, 4, 65, 16], &[2, 4, 65, 16], &[2, 4, 65, 16]],
+        [&[3, 7, 8], &[3, 9, 8], &[3, 9, 8]],
+        [&[1, 2, 5, 8], &[1, 2, 11, 8], &[1, 2, 11, 6]],
+    ];
+    for (i, [q, k, v]) in cases.into_iter().enumerate() {
+        for mask in [false, true] {
+            let r = q.len();
+            let mut tys: Vec<TensorType> = [q, k, v]
+                .iter()
+                .map(|d| TensorType::new(DType::F32, *d))
+                .collect();
+            if mask {
+                let scores: Vec<usize> = q[..r - 1].iter().copied().chain([k[r - 2]]).collect();
+                tys.push(TensorType::new(DType::F32, scores));
+            }
+            let g = kiln::trace(&tys, |xs| {
+                Ok(vec![kiln::Tensor::scaled_dot_product_attention(
+                    &xs[0],
+                    &xs[1],
+                    &xs[2],
+                    xs.get(3),
+                    0.0,
+                    false,
+                )?])
+            })
+            .unwrap()
+            .graph;
+            // Inputs in [-3, 3): scores of a few units, a softmax far from uniform.
+            let ins: Vec<HostTensor> = tys
+                .iter()
+                .enumerate()
+                .map(|(j, t)| {
+                    let mut r = SplitMix64::mixed(31 * i as u64 + j as u64);
+                    floats(t.shape.dims(), DType::F32, || r.uniform() * 6.0 - 3.0)
+                })
+                .collect();
+            for (g, dt) in [(g.clone(), DType::F32), (graph_f64(&g), DType::F64)] {
+                let ins: Vec<HostTensor> = ins
+                    .iter()
+                    .map(|h| {
+                        if dt == DType::F64 {
+                            to_f64(h)
+                        } else {
+                            h.clone()
+                        }
+                    })
+                    .collect();
+                let what = format!("attention {i} {q:?} {k:?} {v:?} mask {mask} {dt}");
+                let (ef, en) = check(&what, &g, &ins, ATTENTION_TARGET);
+                println!("{what}: relative error FFI {ef:.2e}, XLA {en:.2e}");
+            }
         }
     }
 }

@@ -38,10 +38,16 @@
 //! cores with OpenMP; two at once would oversubscribe them), with libtorch's default thread
 //! count unless [`set_threads`] says otherwise — see [`torch_lock`].
 //!
+//! Besides these, fused kernels stand for several nodes each: packed convolutions and linears
+//! on frozen weights with their epilogues (the `packed` and `packed_linear` modules) and
+//! scaled dot-product attention in inference graphs ([`ATTENTION_TARGET`], the `attention`
+//! module).
+//!
 //! A plugin without the FFI extension, or not a CPU plugin, gets pure XLA lowering (see
 //! `XlaBackend::ffi_status`).
 
 mod after;
+mod attention;
 mod conv;
 mod dot;
 mod mlir;
@@ -71,6 +77,8 @@ pub use weights::{clear_weight_cache, weight_cache_stats, WeightCacheStats};
 
 pub(crate) use after::AfterKernel;
 pub use after::AFTER_TARGET;
+pub(crate) use attention::AttentionKernel;
+pub use attention::ATTENTION_TARGET;
 pub(crate) use conv::ConvKernel;
 pub(crate) use dot::DotKernel;
 pub(crate) use packed::{packed_conv, PackedConvKernel};
@@ -233,6 +241,14 @@ impl FfiMode {
             return false;
         };
         *self == FfiMode::All || Self::auto_packed_linear(lhs_rows(d, &g.node(p.x).ty))
+    }
+
+    /// Is dot node `id` the end of a scaled dot-product attention that runs as one call
+    /// ([`ATTENTION_TARGET`])? Under [`FfiMode::Auto`] and [`FfiMode::All`] wherever the
+    /// pattern matches (an inference graph's attention; see the `attention` module for the
+    /// measurements).
+    pub(crate) fn attends(&self, g: &Graph, id: NodeId) -> bool {
+        *self != FfiMode::Off && attention::attention(g, id).is_some()
     }
 
     /// The rule for packed linears with `rows` rows (the activation's elements over its last
@@ -527,7 +543,9 @@ impl FfiSelect for FfiMode {
                         || is_gradient_conv(g, id, c)))
                     || packed()
             }
-            Op::DotGeneral(d) => self.dot(d, a, b) || self.packs_linear(g, id),
+            Op::DotGeneral(d) => {
+                self.dot(d, a, b) || self.packs_linear(g, id) || self.attends(g, id)
+            }
             _ => false,
         }
     }
@@ -616,6 +634,20 @@ pub fn ffi_lowering<S: FfiSelect + ?Sized>(g: &Graph, id: NodeId, mode: &S) -> O
     ) {
         if let Some(p) = packed_linear::packed_linear_chain_of(g, id, &|d| picked(g, d, mode)) {
             return Some(packed_linear::lowering(g, id, &p));
+        }
+    }
+    if matches!(
+        n.op,
+        Op::DotGeneral(_)
+            | Op::Transpose(_)
+            | Op::Binary(_)
+            | Op::Unary(crate::ir::UnaryOp::Exp)
+            | Op::Reduce { .. }
+            | Op::Reshape(_)
+            | Op::Broadcast { .. }
+    ) {
+        if let Some(a) = attention::attention_chain_of(g, id, &|t| picked(g, t, mode)) {
+            return Some(attention::lowering(g, id, &a));
         }
     }
     match &n.op {

@@ -1,8 +1,8 @@
 //! Registering the kernels with a plugin and checking them once.
 
 use super::{
-    conv_call_mlir, dot_call_mlir, AfterKernel, ConvKernel, DotKernel, PackedConvKernel,
-    PackedLinearKernel,
+    conv_call_mlir, dot_call_mlir, AfterKernel, AttentionKernel, ConvKernel, DotKernel,
+    PackedConvKernel, PackedLinearKernel,
 };
 use crate::backend::xla::lower::tensor_type;
 use crate::error::{Error, Result};
@@ -28,6 +28,7 @@ pub(crate) fn enable(backend: &crate::backend::xla::XlaBackend) -> std::result::
         .and_then(|()| api.register_ffi_kernel::<PackedConvKernel>())
         .and_then(|()| api.register_ffi_kernel::<PackedLinearKernel>())
         .and_then(|()| api.register_ffi_kernel::<AfterKernel>())
+        .and_then(|()| api.register_ffi_kernel::<AttentionKernel>())
         .map_err(|e| format!("registering the FFI handlers failed: {e}"))?;
     self_test(backend).map_err(|e| format!("the FFI self-test failed: {e}"))
 }

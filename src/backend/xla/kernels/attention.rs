@@ -1,0 +1,421 @@
+//! The attention kernel ([`ATTENTION_TARGET`]): `softmax(q·kᵀ·scale + mask)·v` as one call of
+//! libtorch's `scaled_dot_product_attention`, as eager runs
+//! [`Tensor::scaled_dot_product_attention`](crate::Tensor::scaled_dot_product_attention).
+//!
+//! In the graph, these nodes become one call (`r` = rank ≥ 3, batch dims `0..r-2`), as the
+//! tracer records scaled dot-product attention:
+//!
+//! ```text
+//! qs = q · broadcast(c)                     optional: else the scale is 1
+//! kt = transpose(k, swapping the last two)  or a product contracting k's last dim
+//! s  = dot_general(qs, kt)                  [.., L, S]
+//! s  = s + mask                             optional: any tensor of s's type
+//! p  = exp(s - bcast(max(s))) / bcast(sum(exp(...)))   max and sum over the last dim
+//! o  = dot_general(p, v)                    [.., L, Dv]: the call stands for it
+//! ```
+//!
+//! Every node between `s` and `o` must be read only inside the pattern (an inference graph:
+//! a training graph keeps `p` for the backward pass, and stays in XLA).
+//!
+//! Why: XLA's CPU compiler runs this as two batched products and a softmax in several
+//! passes. 2-vCPU Intel Xeon (AVX-512), one head block of vit/bert (`[4, 4, 65, 64]` each,
+//! no mask), µs a call including the inputs' upload: 755–899 compiled through XLA against
+//! 132–272 for libtorch's attention alone.
+
+use super::{torch_lock, SERIAL_ATTR};
+use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
+use crate::backend::xla::pjrt::handoff;
+use crate::error::{Error, Result};
+use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, ReduceKind, UnaryOp};
+
+use super::packed::{single_user, splat};
+use super::FfiLowering;
+
+/// The custom call target of the attention kernel.
+pub const ATTENTION_TARGET: &str = "kiln_attention_v1";
+
+/// A matched scaled dot-product attention (see the module notes).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Attention {
+    /// `[.., L, D]`, before the scale.
+    pub q: NodeId,
+    /// `[.., S, D]` (not transposed).
+    pub k: NodeId,
+    /// `[.., S, Dv]`.
+    pub v: NodeId,
+    /// Added to the scores, of their type.
+    pub mask: Option<NodeId>,
+    /// The scores' scale.
+    pub scale: f64,
+    /// The product with `v`: the call stands for it.
+    pub tail: NodeId,
+    /// The pattern's other nodes: nothing is emitted for them.
+    pub absorbed: Vec<NodeId>,
+}
+
+/// If `b` is `broadcast(reshape(reduce(x, kind, [r-1])))` back to `x`'s shape (the tracer's
+/// keep-dim reduction over the last dim), its three nodes.
+fn last_dim_reduction(g: &Graph, b: NodeId, x: NodeId, kind: ReduceKind) -> Option<[NodeId; 3]> {
+    let r = g.node(x).ty.shape.rank();
+    let bn = g.node(b);
+    let Op::Broadcast { dims, .. } = &bn.op else {
+        return None;
+    };
+    if bn.ty.shape != g.node(x).ty.shape || dims[..] != (0..r).collect::<Vec<_>>()[..] {
+        return None;
+    }
+    let rs = bn.operands[0];
+    if !matches!(g.node(rs).op, Op::Reshape(_)) {
+        return None;
+    }
+    let rd = g.node(rs).operands[0];
+    let rn = g.node(rd);
+    match &rn.op {
+        Op::Reduce { kind: k, axes } if *k == kind && axes[..] == [r - 1] => {
+            (rn.operands[0] == x).then_some([b, rs, rd])
+        }
+        _ => None,
+    }
+}
+
+/// Is `d` a batched product over dims `0..r-2` contracting the left's last dim with the
+/// right's dim `rhs`?
+fn batched(d: &crate::ir::DotDims, r: usize, rhs: usize) -> bool {
+    let batch: Vec<usize> = (0..r - 2).collect();
+    d.lhs_batch == batch
+        && d.rhs_batch == batch
+        && d.lhs_contract == [r - 1]
+        && d.rhs_contract == [rhs]
+}
+
+/// Is dot node `tail` the end of a scaled dot-product attention whose inner nodes only the
+/// pattern reads? `None` if not (see the module notes).
+pub(crate) fn attention(g: &Graph, tail: NodeId) -> Option<Attention> {
+    let n = g.node(tail);
+    let Op::DotGeneral(d2) = &n.op else {
+        return None;
+    };
+    let [p, v] = n.operands[..] else {
+        return None;
+    };
+    let r = n.ty.shape.rank();
+    let float = |id: NodeId| matches!(g.node(id).ty.dtype, DType::F32 | DType::F64);
+    if r < 3 || !batched(d2, r, r - 2) || !float(tail) || n.ty.shape.numel() == 0 {
+        return None;
+    }
+    // p = e / bcast(sum(e)), e = exp(s2 - bcast(max(s2))).
+    let pn = g.node(p);
+    let (Op::Binary(BinaryOp::Div), [e, sum_b]) = (&pn.op, &pn.operands[..]) else {
+        return None;
+    };
+    let sum = last_dim_reduction(g, *sum_b, *e, ReduceKind::Sum)?;
+    let en = g.node(*e);
+    let (Op::Unary(UnaryOp::Exp), [sub]) = (&en.op, &en.operands[..]) else {
+        return None;
+    };
+    let sn = g.node(*sub);
+    let (Op::Binary(BinaryOp::Sub), [s2, max_b]) = (&sn.op, &sn.operands[..]) else {
+        return None;
+    };
+    let max = last_dim_reduction(g, *max_b, *s2, ReduceKind::Max)?;
+    // s2 = s (+ mask).
+    let scores = |id: NodeId| match &g.node(id).op {
+        Op::DotGeneral(d1) if batched(d1, r, r - 2) || batched(d1, r, r - 1) => Some(id),
+        _ => None,
+    };
+    let (s, mask) = match scores(*s2) {
+        Some(s) => (s, None),
+        None => {
+            let an = g.node(*s2);
+            let (Op::Binary(BinaryOp::Add), [a, b]) = (&an.op, &an.operands[..]) else {
+                return None;
+            };
+            let (s, m) = match (scores(*a), scores(*b)) {
+                (Some(s), _) => (s, *b),
+                (None, Some(s)) => (s, *a),
+                _ => return None,
+            };
+            if g.node(m).ty != g.node(s).ty {
+                return None;
+            }
+            (s, Some(m))
+        }
+    };
+    let Op::DotGeneral(d1) = &g.node(s).op else {
+        return None;
+    };
+    let [qs, kt] = g.node(s).operands[..] else {
+        return None;
+    };
+    let mut inner = vec![s, *e, *sub, p];
+    inner.extend(sum);
+    inner.extend(max);
+    if mask.is_some() {
+        inner.push(*s2);
+    }
+    // Everything from the scores on is read only by the pattern.
+    let ours = |u: &NodeId| *u == tail || inner.contains(u);
+    if inner
+        .iter()
+        .any(|&i| g.outputs().contains(&i) || !g.users(i).iter().all(ours))
+    {
+        return None;
+    }
+    let mut absorbed = inner.clone();
+    // The key, untransposed.
+    let k = if d1.rhs_contract == [r - 1] {
+        kt
+    } else {
+        let swap: Vec<usize> = (0..r - 2).chain([r - 1, r - 2]).collect();
+        match &g.node(kt).op {
+            Op::Transpose(perm) if *perm == swap => {
+                if single_user(g, kt) == Some(s) {
+                    absorbed.push(kt);
+                }
+                g.node(kt).operands[0]
+            }
+            _ => return None,
+        }
+    };
+    // The query, before its scale.
+    let scaled = match &g.node(qs).op {
+        Op::Binary(BinaryOp::Mul) if single_user(g, qs) == Some(s) => {
+            let [a, b] = g.node(qs).operands[..] else {
+                return None;
+            };
+            [(a, b), (b, a)]
+                .into_iter()
+                .find_map(|(x, c)| splat(g, c).map(|v| (x, v)))
+        }
+        _ => None,
+    };
+    let (q, scale) = match scaled {
+        Some((q, c)) => {
+            absorbed.push(qs);
+            (q, c)
+        }
+        None => (qs, 1.0),
+    };
+    let dtype = g.node(tail).ty.dtype;
+    let same = [q, k, v]
+        .iter()
+        .chain(&mask)
+        .all(|&o| g.node(o).ty.dtype == dtype);
+    let shapes_ok = [q, k].iter().all(|&o| g.node(o).ty.shape.rank() == r);
+    (same && shapes_ok).then_some(Attention {
+        q,
+        k,
+        v,
+        mask,
+        scale,
+        tail,
+        absorbed,
+    })
+}
+
+/// If node `id` belongs to an attention whose tail `picks` accepts, that attention. Looks
+/// at most 14 steps forward from `id` (the pattern's longest path from a node to its tail).
+pub(crate) fn attention_chain_of(
+    g: &Graph,
+    id: NodeId,
+    picks: &dyn Fn(NodeId) -> bool,
+) -> Option<Attention> {
+    let mut frontier = vec![id];
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..14 {
+        let mut next = Vec::new();
+        for cur in frontier {
+            if !seen.insert(cur) || seen.len() > 64 {
+                continue;
+            }
+            let n = g.node(cur);
+            if matches!(n.op, Op::DotGeneral(_)) {
+                if let Some(a) = attention(g, cur).filter(|a| picks(a.tail)) {
+                    if a.tail == id || a.absorbed.contains(&id) {
+                        return Some(a);
+                    }
+                }
+            }
+            let inner = matches!(
+                n.op,
+                Op::DotGeneral(_)
+                    | Op::Transpose(_)
+                    | Op::Binary(BinaryOp::Mul | BinaryOp::Add | BinaryOp::Sub | BinaryOp::Div)
+                    | Op::Unary(UnaryOp::Exp)
+                    | Op::Reduce { .. }
+                    | Op::Reshape(_)
+                    | Op::Broadcast { .. }
+            );
+            if inner {
+                next.extend(g.users(cur));
+            }
+        }
+        frontier = next;
+    }
+    None
+}
+
+/// The lowering of node `id` as part of attention `a`.
+pub(crate) fn lowering(g: &Graph, id: NodeId, a: &Attention) -> FfiLowering {
+    if id != a.tail {
+        return FfiLowering::Absorbed;
+    }
+    let mut operands = vec![a.q, a.k, a.v];
+    operands.extend(a.mask);
+    let config = format!(
+        "mask = {} : i64, scale = {:.17e} : f64",
+        a.mask.is_some() as i64,
+        a.scale
+    );
+    let tys: Vec<&crate::ir::TensorType> = operands.iter().map(|&o| &g.node(o).ty).collect();
+    FfiLowering::Call {
+        attrs: super::mlir::custom_call_attrs(ATTENTION_TARGET, &config, &tys, &g.node(a.tail).ty),
+        operands,
+    }
+}
+
+/// The attention kernel ([`ATTENTION_TARGET`]).
+pub(crate) struct AttentionKernel;
+
+impl FfiKernel for AttentionKernel {
+    const TARGET: &'static str = ATTENTION_TARGET;
+
+    fn run(call: &Call<'_>) -> Result<()> {
+        let has_mask = call.attr_int("mask")? != 0;
+        let scale = call.attr_f64("scale")?;
+        call.expect_arity(3 + has_mask as usize, 1)?;
+        let (qb, kb, vb, ob) = (call.arg(0)?, call.arg(1)?, call.arg(2)?, call.ret(0)?);
+        let mb = has_mask.then(|| call.arg(3)).transpose()?;
+        let (qd, kd, vd, od) = (qb.dims, kb.dims, vb.dims, ob.dims);
+        let bad = |m: &str| {
+            Error::Invalid(format!(
+                "attention of q {qd:?}, k {kd:?}, v {vd:?} into {od:?}: {m}"
+            ))
+        };
+        let r = qd.len();
+        if r < 3 || [kd.len(), vd.len(), od.len()] != [r; 3] {
+            return Err(bad("ranks"));
+        }
+        let b = &qd[..r - 2];
+        let (l, dq, s, dv) = (qd[r - 2], qd[r - 1], kd[r - 2], vd[r - 1]);
+        let dims_ok = kd[..r - 2] == *b
+            && vd[..r - 2] == *b
+            && od[..r - 2] == *b
+            && kd[r - 1] == dq
+            && vd[r - 2] == s
+            && od[r - 2..] == [l, dv];
+        if !dims_ok {
+            return Err(bad("dims"));
+        }
+        let scores: Vec<i64> = b.iter().copied().chain([l, s]).collect();
+        if mb.as_ref().is_some_and(|m| m.dims != scores) {
+            return Err(bad(&format!("the mask is not {scores:?}")));
+        }
+        let dtype = qb.dtype;
+        let types = [kb.dtype, vb.dtype, ob.dtype];
+        if !matches!(dtype, DType::F32 | DType::F64)
+            || types
+                .iter()
+                .chain(mb.as_ref().map(|m| &m.dtype))
+                .any(|&t| t != dtype)
+        {
+            return Err(bad("f32 or f64, all alike"));
+        }
+        handoff::run_kernel(call.flag(SERIAL_ATTR), || {
+            let _guard = torch_lock();
+            let (q, k, v) = (qb.tensor()?, kb.tensor()?, vb.tensor()?);
+            let mask = mb.as_ref().map(|m| m.tensor()).transpose()?;
+            let y = tch::Tensor::f_scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                mask.as_ref(),
+                0.0,
+                false,
+                scale,
+                false,
+            )?;
+            ob.tensor()?.f_copy_(&y)?;
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::TensorType;
+    use crate::trace::{trace, Tensor};
+
+    fn t(d: &[usize]) -> TensorType {
+        TensorType::new(DType::F32, d.to_vec())
+    }
+
+    /// The graph of `Tensor::scaled_dot_product_attention` as the tracer records it, then
+    /// `extra` applied to the result and the scores' softmax.
+    fn traced(mask: bool) -> Graph {
+        let mut tys = vec![t(&[2, 3, 5, 8]), t(&[2, 3, 7, 8]), t(&[2, 3, 7, 4])];
+        if mask {
+            tys.push(t(&[2, 3, 5, 7]));
+        }
+        trace(&tys, |xs| {
+            let o = Tensor::scaled_dot_product_attention(
+                &xs[0],
+                &xs[1],
+                &xs[2],
+                xs.get(3),
+                0.0,
+                false,
+            )?;
+            Ok(vec![o])
+        })
+        .unwrap()
+        .graph
+    }
+
+    #[test]
+    fn the_traced_attention_is_one_call() {
+        for mask in [false, true] {
+            let g = traced(mask);
+            let tail = g.outputs()[0];
+            let a = attention(&g, tail).unwrap_or_else(|| panic!("mask {mask}:\n{g}"));
+            let input = |i: usize| {
+                g.petgraph()
+                    .node_indices()
+                    .find(|&n| g.node(n).op == Op::Input(i))
+                    .unwrap()
+            };
+            assert_eq!((a.q, a.k, a.v), (input(0), input(1), input(2)), "{g}");
+            assert_eq!(a.mask, mask.then(|| input(3)));
+            // The constant is stored in f32.
+            assert!((a.scale - 1.0 / 8f64.sqrt()).abs() < 1e-7, "{}", a.scale);
+            // Scale, transpose, scores, [mask sum], six softmax nodes, exp, sub, div.
+            assert_eq!(a.absorbed.len(), 12 + mask as usize, "{g}");
+            for n in g.petgraph().node_indices() {
+                let inside = n == tail || a.absorbed.contains(&n);
+                let found = attention_chain_of(&g, n, &|_| true);
+                assert_eq!(found.is_some(), inside, "node {n:?} of\n{g}");
+                assert!(attention_chain_of(&g, n, &|_| false).is_none());
+            }
+        }
+    }
+
+    /// A training graph keeps the softmax (or the scores) for the backward pass: no call.
+    #[test]
+    fn attention_whose_softmax_is_read_elsewhere_stays_in_xla() {
+        let tys = [t(&[2, 3, 5, 8]), t(&[2, 3, 7, 8]), t(&[2, 3, 7, 4])];
+        let g = trace(&tys, |xs| {
+            let d = 8f64.sqrt().recip();
+            let s = xs[0].mul_scalar(d)?.matmul(&xs[1].t()?)?;
+            let p = s.softmax(-1)?;
+            Ok(vec![p.matmul(&xs[2])?, p])
+        })
+        .unwrap()
+        .graph;
+        assert!(attention(&g, g.outputs()[0]).is_none(), "{g}");
+        // Without the second output it is the pattern again.
+        let mut h = g.clone();
+        h.set_outputs(vec![g.outputs()[0]]).unwrap();
+        assert!(attention(&h, h.outputs()[0]).is_some(), "{h}");
+    }
+}
