@@ -220,6 +220,9 @@ pub(crate) fn attention_chain_of(
     id: NodeId,
     picks: &dyn Fn(NodeId) -> bool,
 ) -> Option<Attention> {
+    if !may_belong(g, id) {
+        return None;
+    }
     let mut frontier = vec![id];
     let mut seen = std::collections::HashSet::new();
     for _ in 0..14 {
@@ -253,6 +256,40 @@ pub(crate) fn attention_chain_of(
         frontier = next;
     }
     None
+}
+
+/// Could node `id` be one of an attention's nodes (by its own op and operands)? A cheap test
+/// before [`attention_chain_of`]'s walk, which the lowering asks about most nodes of a graph:
+/// a convolutional network's reductions (over batch and spatial dims) and per-channel
+/// reshapes and broadcasts fail it.
+fn may_belong(g: &Graph, id: NodeId) -> bool {
+    let n = g.node(id);
+    let r = n.ty.shape.rank();
+    let last_dim_reduce = |x: NodeId| match &g.node(x).op {
+        Op::Reduce { kind, axes } => {
+            matches!(kind, ReduceKind::Max | ReduceKind::Sum)
+                && g.node(g.node(x).operands[0])
+                    .ty
+                    .shape
+                    .rank()
+                    .checked_sub(1)
+                    .is_some_and(|last| axes[..] == [last])
+        }
+        _ => false,
+    };
+    match &n.op {
+        Op::DotGeneral(_)
+        | Op::Unary(UnaryOp::Exp)
+        | Op::Binary(BinaryOp::Mul | BinaryOp::Add | BinaryOp::Sub | BinaryOp::Div) => r >= 3,
+        Op::Transpose(perm) => r >= 3 && perm[r - 2..] == [r - 1, r - 2],
+        Op::Reduce { .. } => last_dim_reduce(id),
+        Op::Reshape(_) => last_dim_reduce(n.operands[0]),
+        Op::Broadcast { .. } => {
+            matches!(g.node(n.operands[0]).op, Op::Reshape(_))
+                && last_dim_reduce(g.node(n.operands[0]).operands[0])
+        }
+        _ => false,
+    }
 }
 
 /// The lowering of node `id` as part of attention `a`.
@@ -398,6 +435,27 @@ mod tests {
                 assert!(attention_chain_of(&g, n, &|_| false).is_none());
             }
         }
+    }
+
+    /// The cheap test before the walk admits the pattern's nodes (checked above through
+    /// `attention_chain_of`) and turns away a normalisation's reductions over other dims.
+    #[test]
+    fn batch_norm_reductions_are_not_looked_at() {
+        let g = trace(&[t(&[2, 3, 4, 4])], |xs| {
+            let m = xs[0].sum(&[0, 2, 3], true)?;
+            Ok(vec![xs[0].sub(&m.broadcast_to(&[2, 3, 4, 4])?)?.exp()?])
+        })
+        .unwrap()
+        .graph;
+        let kinds: Vec<_> = g
+            .petgraph()
+            .node_indices()
+            .filter(|&n| may_belong(&g, n))
+            .map(|n| format!("{:?}", g.node(n).op))
+            .collect();
+        // Only the rank-4 elementwise ops (sub, exp) pass; the reduction, its reshape and
+        // broadcast do not.
+        assert_eq!(kinds.len(), 2, "{kinds:?}\n{g}");
     }
 
     /// A training graph keeps the softmax (or the scores) for the backward pass: no call.
