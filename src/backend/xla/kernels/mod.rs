@@ -616,7 +616,8 @@ fn picked<S: FfiSelect + ?Sized>(g: &Graph, id: NodeId, sel: &S) -> bool {
 /// Whether node `id` of `g` becomes a libtorch kernel call under `sel`, and how:
 /// convolutions and `Linear` products whose weight comes from frozen variables, with the
 /// elementwise ops after them ([`PACKED_CONV_TARGET`], [`PACKED_LINEAR_TARGET`], see the
-/// `packed` and `packed_linear` modules), other convolutions ([`CONV_TARGET`],
+/// `packed` and `packed_linear` modules), scaled dot-product attention whose last product
+/// `sel` picks ([`ATTENTION_TARGET`]), other convolutions ([`CONV_TARGET`],
 /// reading through autograd's kernel reversal and operand transposes, see [`ConvForm`]), the
 /// transpose that turns a weight-gradient convolution into the weight gradient, and dots
 /// ([`DOT_TARGET`]). `None`: XLA lowers the node.
@@ -636,19 +637,8 @@ pub fn ffi_lowering<S: FfiSelect + ?Sized>(g: &Graph, id: NodeId, mode: &S) -> O
             return Some(packed_linear::lowering(g, id, &p));
         }
     }
-    if matches!(
-        n.op,
-        Op::DotGeneral(_)
-            | Op::Transpose(_)
-            | Op::Binary(_)
-            | Op::Unary(crate::ir::UnaryOp::Exp)
-            | Op::Reduce { .. }
-            | Op::Reshape(_)
-            | Op::Broadcast { .. }
-    ) {
-        if let Some(a) = attention::attention_chain_of(g, id, &|t| picked(g, t, mode)) {
-            return Some(attention::lowering(g, id, &a));
-        }
+    if let Some(a) = attention::attention_chain_of(g, id, &|t| picked(g, t, mode)) {
+        return Some(attention::lowering(g, id, &a));
     }
     match &n.op {
         Op::DotGeneral(d) if n.operands.len() == 2 => {
