@@ -84,7 +84,7 @@ echo "gpu_check: KILN_PJRT_PLUGIN=$plugin" >&2
 
 if [ -z "$prebuilt" ]; then
   cargo build --release --examples
-  prebuilt=target/release/examples
+  prebuilt="${CARGO_TARGET_DIR:-target}/release/examples"
 fi
 status=0
 for run in "linear" "infer resnet18" "train"; do

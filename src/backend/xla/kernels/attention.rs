@@ -231,25 +231,15 @@ pub(crate) fn attention_chain_of(
             if !seen.insert(cur) || seen.len() > 64 {
                 continue;
             }
-            let n = g.node(cur);
-            if matches!(n.op, Op::DotGeneral(_)) {
-                if let Some(a) = attention(g, cur).filter(|a| picks(a.tail)) {
-                    if a.tail == id || a.absorbed.contains(&id) {
-                        return Some(a);
-                    }
+            if matches!(g.node(cur).op, Op::DotGeneral(_)) {
+                // Membership first: `picks` may match the pattern again (`FfiMode::attends`).
+                let member = |a: &Attention| a.tail == id || a.absorbed.contains(&id);
+                if let Some(a) = attention(g, cur).filter(|a| member(a) && picks(a.tail)) {
+                    return Some(a);
                 }
             }
-            let inner = matches!(
-                n.op,
-                Op::DotGeneral(_)
-                    | Op::Transpose(_)
-                    | Op::Binary(BinaryOp::Mul | BinaryOp::Add | BinaryOp::Sub | BinaryOp::Div)
-                    | Op::Unary(UnaryOp::Exp)
-                    | Op::Reduce { .. }
-                    | Op::Reshape(_)
-                    | Op::Broadcast { .. }
-            );
-            if inner {
+            // The path from a pattern node to its tail runs through pattern nodes only.
+            if may_belong(g, cur) {
                 next.extend(g.users(cur));
             }
         }
