@@ -6,7 +6,9 @@ use crate::ir::{Graph, InputKind, NodeId, Op};
 use crate::passes::{Dce, Pass};
 use std::collections::{HashMap, HashSet};
 
-/// What the forward graph saves for the backward graph.
+/// What the forward graph saves for the backward graph. `TrainStep` uses
+/// [`SavePolicy::RecomputeElementwise`] unless told otherwise (see its `with_save_policy`);
+/// `Default` is [`SavePolicy::SaveAll`], AOTAutograd's default partition.
 ///
 /// Under both policies:
 /// - values that depend on no graph input at all (constants, iotas and anything computed only
