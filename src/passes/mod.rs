@@ -7,6 +7,7 @@ mod cse;
 mod dce;
 mod dedup;
 mod im2col;
+mod scatter;
 mod widen;
 
 pub use barrier::StripBarriers;
@@ -15,6 +16,7 @@ pub use cse::Cse;
 pub use dce::Dce;
 pub use dedup::{dedup_outputs, OutputSource};
 pub use im2col::{im2col, im2col_graph, im2col_nodes, is_full_window, Im2col};
+pub use scatter::ScaleScatterUpdates;
 pub use widen::WidenHalf;
 
 use crate::error::Result;

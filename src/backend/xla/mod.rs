@@ -23,7 +23,7 @@ pub use replicated::{Replicated, ReplicatedBuffer};
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::ir::{DType, Fingerprint, Graph, InputKind, NodeId, TensorType};
-use crate::passes::{im2col_nodes, Pass, StripBarriers, WidenHalf};
+use crate::passes::{im2col_nodes, Pass, ScaleScatterUpdates, StripBarriers, WidenHalf};
 use autotune::{Caps, GraphChoice, Source, Tuner, Variant};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
@@ -929,6 +929,8 @@ impl Backend for XlaBackend {
 
     fn rewrite(&self, graph: &mut Graph) -> Result<()> {
         WidenHalf.run(graph)?;
+        // Lets XLA update an embedding in place under plain SGD (see the pass).
+        ScaleScatterUpdates.run(graph)?;
         // The ordering barriers lower to one of kiln's kernels; without them, no order.
         if self.effective_ffi() == FfiMode::Off {
             StripBarriers.run(graph)?;
