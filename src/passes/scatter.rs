@@ -22,6 +22,16 @@ impl Pass for ScaleScatterUpdates {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<bool> {
+        // Every traced graph comes through here (trace-every-time calls included): most have no
+        // scatter, and a scan is cheaper than a topological order.
+        let scatters = |g: &Graph| {
+            g.petgraph()
+                .node_indices()
+                .any(|n| matches!(g.node(n).op, Op::ScatterAdd { .. }))
+        };
+        if !scatters(graph) {
+            return Ok(false);
+        }
         let mut changed = false;
         for id in graph.topo_order() {
             let n = graph.node(id);
@@ -182,21 +192,19 @@ mod tests {
     #[test]
     fn a_scatter_read_elsewhere_or_not_into_zeros_is_left_alone() {
         // Read twice: the gradient is also an output.
+        let scatter_of = |g: &Graph| {
+            g.petgraph()
+                .node_indices()
+                .find(|&n| matches!(g.node(n).op, Op::ScatterAdd { .. }))
+                .unwrap()
+        };
         let (mut g, out) = sgd_update(false);
-        let scatter = g
-            .petgraph()
-            .node_indices()
-            .find(|&n| matches!(g.node(n).op, Op::ScatterAdd { .. }))
-            .unwrap();
+        let scatter = scatter_of(&g);
         g.set_outputs(vec![out, scatter]).unwrap();
         assert!(!ScaleScatterUpdates.run(&mut g).unwrap());
         // Into a base that is not zero.
         let (mut g, _) = sgd_update(false);
-        let scatter = g
-            .petgraph()
-            .node_indices()
-            .find(|&n| matches!(g.node(n).op, Op::ScatterAdd { .. }))
-            .unwrap();
+        let scatter = scatter_of(&g);
         let p = g.inputs()[0].node;
         let ops = g.node(scatter).operands.clone();
         let other = g
