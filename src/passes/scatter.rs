@@ -6,7 +6,8 @@ use crate::ir::{BinaryOp, Graph, NodeId, Op};
 
 /// Rewrites `ScatterAdd(0, i, u) * splat(s)` into `ScatterAdd(0, i, u * splat(s))` where the
 /// scatter has no other user: the same sum, scaled slice by slice before it is added up
-/// (rounding may differ in the last bit where indices repeat).
+/// (rounding may differ in the last bit where indices repeat). For a finite `s`; with an
+/// infinite or NaN `s` the rows no index touches stay 0 where `0 * s` would have made them NaN.
 ///
 /// Why: an embedding's gradient is such a scatter (the VJP of `Take`), and plain SGD updates
 /// its weight as `p + g * splat(-lr)`. After the rewrite that reads `p + ScatterAdd(0, ...)`,
@@ -39,11 +40,13 @@ impl Pass for ScaleScatterUpdates {
                 continue;
             }
             let (a, b) = (n.operands[0], n.operands[1]);
-            let Some((scatter, scalar)) = [(a, b), (b, a)]
+            let found = [(a, b), (b, a)]
                 .into_iter()
-                .find_map(|(sc, s)| Some((sc, sole_scatter_of_zeros(graph, id, sc)?, s)))
-                .and_then(|(sc, _, s)| Some((sc, splat_source(graph, s)?)))
-            else {
+                .find(|&(sc, _)| sole_scatter_of_zeros(graph, id, sc));
+            let Some((scatter, other)) = found else {
+                continue;
+            };
+            let Some(scalar) = splat_source(graph, other) else {
                 continue;
             };
             let Op::ScatterAdd { axis } = graph.node(scatter).op else {
@@ -74,16 +77,14 @@ impl Pass for ScaleScatterUpdates {
     }
 }
 
-/// `Some(())` if `sc` is a `ScatterAdd` into zeros whose only use is `user` (once), and not a
-/// graph output.
-fn sole_scatter_of_zeros(g: &Graph, user: NodeId, sc: NodeId) -> Option<()> {
+/// Is `sc` a `ScatterAdd` into zeros whose only use is `user` (once), and not a graph output?
+fn sole_scatter_of_zeros(g: &Graph, user: NodeId, sc: NodeId) -> bool {
     let n = g.node(sc);
     if !matches!(n.op, Op::ScatterAdd { .. }) || g.outputs().contains(&sc) {
-        return None;
+        return false;
     }
-    let users = g.users(sc);
     let once = g.node(user).operands.iter().filter(|&&o| o == sc).count() == 1;
-    (users == [user] && once && is_zeros(g, n.operands[0])).then_some(())
+    once && g.users(sc) == [user] && is_zeros(g, n.operands[0])
 }
 
 /// Is `id` a constant zero (+0.0 in every element), or a broadcast of one?
