@@ -1,6 +1,7 @@
 //! Scaling a scatter's updates instead of its result.
 
 use super::Pass;
+use crate::autograd::Builder;
 use crate::error::Result;
 use crate::ir::{BinaryOp, Graph, NodeId, Op};
 
@@ -25,12 +26,11 @@ impl Pass for ScaleScatterUpdates {
     fn run(&self, graph: &mut Graph) -> Result<bool> {
         // Every traced graph comes through here (trace-every-time calls included): most have no
         // scatter, and a scan is cheaper than a topological order.
-        let scatters = |g: &Graph| {
-            g.petgraph()
-                .node_indices()
-                .any(|n| matches!(g.node(n).op, Op::ScatterAdd { .. }))
-        };
-        if !scatters(graph) {
+        if !graph
+            .petgraph()
+            .node_indices()
+            .any(|n| matches!(graph.node(n).op, Op::ScatterAdd { .. }))
+        {
             return Ok(false);
         }
         let mut changed = false;
@@ -40,34 +40,20 @@ impl Pass for ScaleScatterUpdates {
                 continue;
             }
             let (a, b) = (n.operands[0], n.operands[1]);
-            let found = [(a, b), (b, a)]
-                .into_iter()
-                .find(|&(sc, _)| sole_scatter_of_zeros(graph, id, sc));
-            let Some((scatter, other)) = found else {
-                continue;
-            };
-            let Some(scalar) = splat_source(graph, other) else {
-                continue;
-            };
-            let Op::ScatterAdd { axis } = graph.node(scatter).op else {
+            let found = [(a, b), (b, a)].into_iter().find_map(|(sc, other)| {
+                let axis = sole_scatter_of_zeros(graph, id, sc)?;
+                Some((sc, axis, splat_source(graph, other)?))
+            });
+            let Some((scatter, axis, scalar)) = found else {
                 continue;
             };
             let ops = graph.node(scatter).operands.clone();
             let (zeros, indices, updates) = (ops[0], ops[1], ops[2]);
-            let uty = graph.node(updates).ty.clone();
-            let s = if uty.shape.rank() == 0 {
-                scalar
-            } else {
-                graph.add(
-                    Op::Broadcast {
-                        shape: uty.shape.clone(),
-                        dims: vec![],
-                    },
-                    &[scalar],
-                )?
-            };
-            let scaled = graph.add(Op::Binary(BinaryOp::Mul), &[updates, s])?;
-            let new = graph.add(Op::ScatterAdd { axis }, &[zeros, indices, scaled])?;
+            let mut b = Builder::new(graph);
+            let shape = b.ty(updates).shape;
+            let s = b.splat(scalar, &shape)?;
+            let scaled = b.mul(updates, s)?;
+            let new = b.op(Op::ScatterAdd { axis }, &[zeros, indices, scaled])?;
             graph.replace_uses(id, new)?;
             graph.remove_unused(id);
             graph.remove_unused(scatter);
@@ -77,14 +63,16 @@ impl Pass for ScaleScatterUpdates {
     }
 }
 
-/// Is `sc` a `ScatterAdd` into zeros whose only use is `user` (once), and not a graph output?
-fn sole_scatter_of_zeros(g: &Graph, user: NodeId, sc: NodeId) -> bool {
+/// The axis of `sc` if it is a `ScatterAdd` into zeros whose only use is `user` (once), and not
+/// a graph output.
+fn sole_scatter_of_zeros(g: &Graph, user: NodeId, sc: NodeId) -> Option<usize> {
     let n = g.node(sc);
-    if !matches!(n.op, Op::ScatterAdd { .. }) || g.outputs().contains(&sc) {
-        return false;
-    }
+    let Op::ScatterAdd { axis } = n.op else {
+        return None;
+    };
     let once = g.node(user).operands.iter().filter(|&&o| o == sc).count() == 1;
-    once && g.users(sc) == [user] && is_zeros(g, n.operands[0])
+    (once && !g.outputs().contains(&sc) && g.users(sc) == [user] && is_zeros(g, n.operands[0]))
+        .then_some(axis)
 }
 
 /// Is `id` a constant zero (+0.0 in every element), or a broadcast of one?
@@ -114,7 +102,7 @@ mod tests {
     use super::*;
     use crate::backend::eager::EagerBackend;
     use crate::backend::{Backend, HostTensor};
-    use crate::ir::{DType, InputKind, Literal, TensorType};
+    use crate::ir::{DType, InputKind, TensorType};
 
     /// `p + ScatterAdd(0, ids, u) * splat(-lr)`, an embedding's SGD update.
     fn sgd_update(lr_first: bool) -> (Graph, NodeId) {
@@ -123,34 +111,14 @@ mod tests {
         let p = g.add_input(InputKind::Parameter, "p", pt.clone());
         let ids = g.add_input(InputKind::Data, "ids", TensorType::new(DType::I64, [4]));
         let u = g.add_input(InputKind::Data, "u", TensorType::new(DType::F32, [4, 3]));
-        let zero = g
-            .add(Op::Constant(Literal::scalar(DType::F32, 0.0)), &[])
-            .unwrap();
-        let zeros = g
-            .add(
-                Op::Broadcast {
-                    shape: pt.shape.clone(),
-                    dims: vec![],
-                },
-                &[zero],
-            )
-            .unwrap();
-        let grad = g.add(Op::ScatterAdd { axis: 0 }, &[zeros, ids, u]).unwrap();
-        let lr = g
-            .add(Op::Constant(Literal::scalar(DType::F32, -0.5)), &[])
-            .unwrap();
-        let s = g
-            .add(
-                Op::Broadcast {
-                    shape: pt.shape.clone(),
-                    dims: vec![],
-                },
-                &[lr],
-            )
-            .unwrap();
+        let mut b = Builder::new(&mut g);
+        let zeros = b.zeros(&pt).unwrap();
+        let grad = b.op(Op::ScatterAdd { axis: 0 }, &[zeros, ids, u]).unwrap();
+        let lr = b.scalar(DType::F32, -0.5).unwrap();
+        let s = b.splat(lr, &pt.shape).unwrap();
         let ops = if lr_first { [s, grad] } else { [grad, s] };
-        let step = g.add(Op::Binary(BinaryOp::Mul), &ops).unwrap();
-        let out = g.add(Op::Binary(BinaryOp::Add), &[p, step]).unwrap();
+        let step = b.op(Op::Binary(BinaryOp::Mul), &ops).unwrap();
+        let out = b.add(p, step).unwrap();
         g.set_outputs(vec![out]).unwrap();
         (g, out)
     }
