@@ -348,7 +348,9 @@ impl FfiKernel for AttentionKernel {
         {
             return Err(bad("f32 or f64, all alike"));
         }
-        handoff::run_kernel(call.flag(SERIAL_ATTR), || {
+        // q·kᵀ and the weights times v.
+        let flops = 2.0 * (b.iter().product::<i64>() * l * s * (dq + dv)) as f64;
+        handoff::run_kernel(call.flag(SERIAL_ATTR), flops, || {
             let _guard = torch_lock();
             let (q, k, v) = (qb.tensor()?, kb.tensor()?, vb.tensor()?);
             let mask = mb.as_ref().map(|m| m.tensor()).transpose()?;

@@ -44,7 +44,7 @@ impl FfiKernel for DotKernel {
                 ),
             };
         }
-        handoff::run_kernel(call.flag(SERIAL_ATTR), || {
+        handoff::run_kernel(call.flag(SERIAL_ATTR), plan.flops(), || {
             let _guard = torch_lock();
             let (a, b, out) = (ab.tensor()?, bb.tensor()?, ob.tensor()?);
             plan.run_into(&a, &b, &out)
@@ -215,13 +215,18 @@ impl DotPlan {
     pub fn tiny(&self) -> Option<TinyDot> {
         let [bs, m, k] = self.bmk.map(|v| v as usize);
         let n = self.kn as usize;
-        let flops = 2.0 * (bs * m * n) as f64 * k as f64;
         let (sa, sb) = self.strides?;
-        (flops <= TINY_DOT_MAX_FLOPS).then_some(TinyDot {
+        (self.flops() <= TINY_DOT_MAX_FLOPS).then_some(TinyDot {
             bmkn: [bs, m, k, n],
             sa,
             sb,
         })
+    }
+
+    /// Multiply-adds × 2.
+    pub fn flops(&self) -> f64 {
+        let [bs, m, k] = self.bmk.map(|v| v as f64);
+        2.0 * bs * m * k * self.kn as f64
     }
 
     /// Multiplies `a` by `b` into `out` (contiguous, dims [`DotPlan::out_dims`]).

@@ -70,8 +70,9 @@ pub use onednn::avx512 as onednn_avx512;
 pub use packed::{packed_conv_enabled, PACKED_CONV_TARGET};
 pub use packed_linear::PACKED_LINEAR_TARGET;
 pub use threads::{
-    handoff, idle_pause, reset_stats, serialized, set_handoff, set_idle_pause, set_serialized,
-    set_threads, stats, threads, torch_lock, KernelGuard, KernelStats,
+    handoff, idle_pause, local_max_flops, reset_stats, serialized, set_handoff, set_idle_pause,
+    set_local_max_flops, set_serialized, set_threads, stats, threads, torch_lock, KernelGuard,
+    KernelStats,
 };
 pub use weights::{clear_weight_cache, weight_cache_stats, WeightCacheStats};
 

@@ -607,7 +607,9 @@ impl FfiKernel for PackedConvKernel {
             sources,
         };
         let input = [xd[0], xd[3], xd[1], xd[2]];
-        handoff::run_kernel(call.flag(SERIAL_ATTR), || {
+        let flops =
+            2.0 * od.iter().product::<i64>() as f64 * wd[1..].iter().product::<i64>() as f64;
+        handoff::run_kernel(call.flag(SERIAL_ATTR), flops, || {
             let _guard = torch_lock();
             let x = nhwc_view(&xb)?;
             let packed = weights::get_or_pack(&key, || {

@@ -320,7 +320,8 @@ impl FfiKernel for PackedLinearKernel {
             sources: [call.arg_address(1)?].into_iter().collect(),
         };
         let m: i64 = xd[..r - 1].iter().product();
-        handoff::run_kernel(call.flag(SERIAL_ATTR), || {
+        let flops = 2.0 * (m * n) as f64 * k as f64;
+        handoff::run_kernel(call.flag(SERIAL_ATTR), flops, || {
             let _guard = torch_lock();
             let packed = weights::get_or_pack(&key, || onednn::pack_linear_weight(&wb.tensor()?))?;
             let x = xb.tensor()?.f_reshape([m, k])?;

@@ -20,6 +20,10 @@
 //! 2-vCPU Xeon, three alternating runs of 40 calls: 21.6 / 15.9 / 17.0 ms a call in kernels
 //! against 29.3 / 25.9 / 26.8 ms with `KILN_KERNEL_HANDOFF=off`.
 //!
+//! Kernels below [`local_max_flops`] (10 MFLOP) are not handed over: they run on the XLA
+//! worker that calls them, with libtorch on one thread (handing over costs two thread
+//! wake-ups, ~70 µs a call on a busy 2-vCPU machine; see `pjrt::handoff::run_kernel`).
+//!
 //! [`FfiMode::All`]: super::FfiMode::All
 
 use crate::backend::xla::pjrt::handoff::{self, HANDOFF};
@@ -91,6 +95,21 @@ pub fn idle_pause() -> Option<std::time::Duration> {
         u64::MAX => None,
         us => Some(std::time::Duration::from_micros(us)),
     }
+}
+
+/// Sets the size below which a kernel runs on the XLA worker thread that calls it, with
+/// libtorch on one thread, instead of being handed to the thread waiting for the results
+/// (floating-point operations, multiply-adds × 2; default 10 MFLOP, or
+/// `KILN_LOCAL_KERNEL_FLOPS`; 0 hands every kernel over). Handing over costs two thread
+/// wake-ups a call, which small kernels (depthwise convolutions, most of the mobile nets')
+/// do not earn back from a second libtorch thread.
+pub fn set_local_max_flops(flops: f64) {
+    handoff::set_local_max_flops(flops);
+}
+
+/// See [`set_local_max_flops`].
+pub fn local_max_flops() -> f64 {
+    handoff::local_max_flops()
 }
 
 /// Whether kernels run one at a time (default `true`; see [`torch_lock`]).

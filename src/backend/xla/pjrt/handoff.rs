@@ -17,6 +17,10 @@
 //! empty, checked under the same lock, so no job is stranded. A serving thread that ran jobs
 //! and then waits longer than `IDLE_PAUSE_US` for the next ends its OpenMP team, whose
 //! threads would otherwise spin on the CPUs XLA's workers use (`kernels::set_idle_pause`).
+//!
+//! Small kernels are not handed over ([`run_kernel`]): they run where XLA calls them, with
+//! libtorch on one thread, as the two wake-ups of a handover cost more than a second
+//! libtorch thread gains them.
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::any::Any;
@@ -99,10 +103,20 @@ pub(crate) fn enabled() -> bool {
     REGISTERED.load(Ordering::Relaxed) && wanted().load(Ordering::Relaxed)
 }
 
-/// Runs a kernel job: through [`HANDOFF`] when handing over is [`enabled`], else right here;
-/// with libtorch on one thread ([`serial`]) if `serial` (the program marked its kernels so,
-/// see `kernels::serial_kernels`).
-pub(crate) fn run_kernel<R>(serial: bool, f: impl FnOnce() -> R) -> R {
+/// Runs a kernel job of about `flops` floating-point operations: a small one (below
+/// [`local_max_flops`]) right here with libtorch on one thread ([`serial`]); a larger one
+/// through [`HANDOFF`] when handing over is [`enabled`], else right here; on one thread if
+/// `serial` (the program marked its kernels so, see `kernels::serial_kernels`).
+///
+/// Why small ones stay: handing a job over and back costs two thread wake-ups, which on a
+/// busy 2-vCPU machine took ~70 µs a call (mobilenet_v2's fused training step: 52 kernel
+/// calls, 18.8 ms in their bodies, 22.4 ms from call to return), and small convolutions gain
+/// nothing from a second libtorch thread (a 144-channel depthwise 3×3 on 16×16: ~600 µs on
+/// one thread or two).
+pub(crate) fn run_kernel<R>(serial: bool, flops: f64, f: impl FnOnce() -> R) -> R {
+    if flops < local_max_flops() {
+        return self::serial(f);
+    }
     let job = || if serial { self::serial(f) } else { f() };
     if enabled() {
         HANDOFF.run(job)
@@ -333,6 +347,41 @@ pub(crate) fn serial<R>(f: impl FnOnce() -> R) -> R {
     }
     let _restore = Restore(omp_prev, mkl_prev);
     f()
+}
+
+/// Kernels of fewer floating-point operations than this run where XLA calls them, on one
+/// libtorch thread ([`run_kernel`]); `f64` bits. See `kernels::set_local_max_flops`.
+static LOCAL_MAX_FLOPS: OnceLock<AtomicU64> = OnceLock::new();
+
+fn local_max_flops_cell() -> &'static AtomicU64 {
+    LOCAL_MAX_FLOPS.get_or_init(|| {
+        let from_env = std::env::var("KILN_LOCAL_KERNEL_FLOPS")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| *v >= 0.0);
+        AtomicU64::new(from_env.unwrap_or(DEFAULT_LOCAL_MAX_FLOPS).to_bits())
+    })
+}
+
+/// The default of [`local_max_flops`]: 10 MFLOP. Measured on a 2-vCPU Xeon (AVX-512), the
+/// harness with `--mode once`, two alternating runs each, speedup over eager at its default
+/// threads, every kernel handed over / below 10 MFLOP local: training split / fused,
+/// geomean of mobilenet_v2, mnasnet1_0, squeezenet1_1 and resnet18 0.75 / 0.79 and 0.71 /
+/// 0.74 against 0.88 / 0.93 and 0.85 / 0.88 (mobilenet_v2 fused 0.71 and 0.67 against 0.87
+/// and 0.86); inference, those four with bert and vit, 0.90 and 1.01 against 1.01 and 1.07
+/// (squeezenet1_1 0.91 and 1.10 against 1.26 and 1.43). In scratch loops of resnet18's
+/// fused step a 50 MFLOP threshold was slower than 10 (64.4 and 61.9 ms against 58.6 and
+/// 60.5): its 3×3 convolutions (30-230 MFLOP) gain from the second thread.
+pub(crate) const DEFAULT_LOCAL_MAX_FLOPS: f64 = 1e7;
+
+/// See [`LOCAL_MAX_FLOPS`].
+pub(crate) fn local_max_flops() -> f64 {
+    f64::from_bits(local_max_flops_cell().load(Ordering::Relaxed))
+}
+
+/// See [`LOCAL_MAX_FLOPS`].
+pub(crate) fn set_local_max_flops(flops: f64) {
+    local_max_flops_cell().store(flops.max(0.0).to_bits(), Ordering::Relaxed);
 }
 
 /// After how many µs without a job a serving thread that ran kernels stops its OpenMP team
