@@ -369,9 +369,13 @@ fn local_max_flops_cell() -> &'static AtomicU64 {
 /// geomean of mobilenet_v2, mnasnet1_0, squeezenet1_1 and resnet18 0.75 / 0.79 and 0.71 /
 /// 0.74 against 0.88 / 0.93 and 0.85 / 0.88 (mobilenet_v2 fused 0.71 and 0.67 against 0.87
 /// and 0.86); inference, those four with bert and vit, 0.90 and 1.01 against 1.01 and 1.07
-/// (squeezenet1_1 0.91 and 1.10 against 1.26 and 1.43). In scratch loops of resnet18's
-/// fused step a 50 MFLOP threshold was slower than 10 (64.4 and 61.9 ms against 58.6 and
-/// 60.5): its 3×3 convolutions (30-230 MFLOP) gain from the second thread.
+/// (squeezenet1_1 0.91 and 1.10 against 1.26 and 1.43). At 30 MFLOP instead of 10
+/// (resnet50 added, two alternating runs): training 0.86 / 0.89 and 0.81 / 0.85 against
+/// 0.88 / 0.91 and 0.85 / 0.88 (resnet18's and resnet50's 3×3 convolutions, 30-230 MFLOP,
+/// gain from the second thread); inference of the five CNNs 1.28 and 1.23 against 1.10
+/// and 1.12, with bert and vit 1.06 and 1.04 against 0.98 and 1.04 (bert's and vit's
+/// attention calls, ~17 MFLOP, did worse local). 10 keeps training ahead; at 100 MFLOP
+/// resnet18 and resnet50 inference fell to 0.63-0.71.
 pub(crate) const DEFAULT_LOCAL_MAX_FLOPS: f64 = 1e7;
 
 /// See [`LOCAL_MAX_FLOPS`].
