@@ -72,8 +72,7 @@ impl FfiKernel for ConvKernel {
                 xb.dims, kb.dims, ob.dims
             )));
         }
-        let window: i64 = kdims[1..].iter().product();
-        let flops = 2.0 * ob.dims.iter().product::<i64>() as f64 * window as f64;
+        let flops = super::window_flops(ob.dims, &kdims);
         handoff::run_kernel(call.flag(SERIAL_ATTR), flops, || {
             let _guard = torch_lock();
             let (x, k, out) = (xb.tensor()?, kb.tensor()?, ob.tensor()?);

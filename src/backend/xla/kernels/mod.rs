@@ -412,8 +412,14 @@ pub const AUTO_MAX_DOT_ROWS: usize = 64;
 /// Multiply-add count × 2 of a convolution (of its output, over its kernel window).
 pub fn conv_flops(c: &ConvAttrs, x: &TensorType, k: &TensorType) -> f64 {
     let out = conv_out_dims(c, &x.shape.to_i64(), &k.shape.to_i64()).unwrap_or_default();
-    let window: f64 = k.shape.dims()[1..].iter().map(|&d| d as f64).product();
-    2.0 * out.iter().map(|&d| d as f64).product::<f64>() * window
+    window_flops(&out, &k.shape.to_i64())
+}
+
+/// [`conv_flops`] from the dims of a convolution's result (in any dim order) and of its
+/// kernel (`[out channels, in channels per group, window..]`).
+pub(crate) fn window_flops(out: &[i64], kernel: &[i64]) -> f64 {
+    let prod = |d: &[i64]| d.iter().map(|&v| v as f64).product::<f64>();
+    2.0 * prod(out) * prod(kernel.get(1..).unwrap_or_default())
 }
 
 /// Multiply-add count × 2 of a dot.

@@ -607,8 +607,7 @@ impl FfiKernel for PackedConvKernel {
             sources,
         };
         let input = [xd[0], xd[3], xd[1], xd[2]];
-        let flops =
-            2.0 * od.iter().product::<i64>() as f64 * wd[1..].iter().product::<i64>() as f64;
+        let flops = super::window_flops(od, wd);
         handoff::run_kernel(call.flag(SERIAL_ATTR), flops, || {
             let _guard = torch_lock();
             let x = nhwc_view(&xb)?;
