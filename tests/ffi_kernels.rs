@@ -266,6 +266,62 @@ fn attention_kernel_matches_xla_and_f64_reference() {
     }
 }
 
+/// Attention as `nn::MultiheadAttention` feeds it: q, k and v sliced out of one fused
+/// projection (`reshape → permute → narrow → reshape`), the heads merged back after it
+/// (`permute → reshape`). The call reads q, k and v in the projection's buffer and writes its
+/// result through the permuted view (no copies in between), and matches the float64
+/// reference and XLA.
+#[test]
+fn attention_kernel_reads_and_writes_through_views() {
+    use kiln::backend::xla::kernels::ATTENTION_TARGET;
+    let (b, l, h, d) = (2usize, 9usize, 3usize, 8usize);
+    let e = (h * d) as isize;
+    for (mask, tail_op) in [(false, false), (true, true)] {
+        let mut tys = vec![TensorType::new(DType::F32, [b, l, 3 * h * d])];
+        if mask {
+            tys.push(TensorType::new(DType::F32, [b, h, l, l]));
+        }
+        let g = kiln::trace(&tys, |xs| {
+            let qkv = xs[0]
+                .reshape(&[b as isize, l as isize, 3, h as isize, d as isize])?
+                .permute(&[2, 0, 3, 1, 4])?;
+            let part = |i: usize| {
+                qkv.narrow(0, i, 1)?
+                    .reshape(&[b as isize, h as isize, l as isize, d as isize])
+            };
+            let o = kiln::Tensor::scaled_dot_product_attention(
+                &part(0)?,
+                &part(1)?,
+                &part(2)?,
+                xs.get(1),
+                0.0,
+                false,
+            )?;
+            let merged = o
+                .permute(&[0, 2, 1, 3])?
+                .reshape(&[b as isize, l as isize, e])?;
+            Ok(vec![if tail_op { merged.tanh()? } else { merged }])
+        })
+        .unwrap()
+        .graph;
+        let lowered = ffi().lower(&g).unwrap();
+        for attr in ["q_view", "k_view", "v_view", "o_view"] {
+            assert!(lowered.contains(attr), "no {attr} in\n{lowered}");
+        }
+        let ins: Vec<HostTensor> = tys
+            .iter()
+            .enumerate()
+            .map(|(j, t)| {
+                let mut r = SplitMix64::mixed(71 + j as u64);
+                floats(t.shape.dims(), DType::F32, || r.uniform() * 6.0 - 3.0)
+            })
+            .collect();
+        let what = format!("attention through views, mask {mask}, op after {tail_op}");
+        let (ef, en) = check(&what, &g, &ins, ATTENTION_TARGET);
+        println!("{what}: relative error FFI {ef:.2e}, XLA {en:.2e}");
+    }
+}
+
 /// Kernels fused between XLA ops, several independent calls (which XLA may run concurrently),
 /// run from several threads at once.
 #[test]

@@ -17,18 +17,25 @@
 //! Every node between `s` and `o` must be read only inside the pattern (an inference graph:
 //! a training graph keeps `p` for the backward pass, and stays in XLA).
 //!
+//! The call reads q, k and v where they lie when they are views (reshapes, transposes,
+//! slices) of another node, such as the fused input projection of
+//! `nn::MultiheadAttention`, and writes its result through a view when a transpose (and a
+//! reshape) follows it, as the heads are merged back: XLA then copies none of them (see the
+//! `view` module).
+//!
 //! Why: XLA's CPU compiler runs this as two batched products and a softmax in several
 //! passes. 2-vCPU Intel Xeon (AVX-512), one head block of vit/bert (`[4, 4, 65, 64]` each,
 //! no mask), µs a call including the inputs' upload: 755–899 compiled through XLA against
 //! 132–272 for libtorch's attention alone.
 
 use super::{torch_lock, SERIAL_ATTR};
-use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
+use crate::backend::xla::pjrt::ffi::{BufferRef, Call, FfiKernel};
 use crate::backend::xla::pjrt::handoff;
 use crate::error::{Error, Result};
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, ReduceKind, UnaryOp};
 
 use super::packed::{single_user, splat};
+use super::view::{self, StridedView};
 use super::FfiLowering;
 
 /// The custom call target of the attention kernel.
@@ -47,10 +54,38 @@ pub(crate) struct Attention {
     pub mask: Option<NodeId>,
     /// The scores' scale.
     pub scale: f64,
-    /// The product with `v`: the call stands for it.
+    /// The product with `v`.
     pub tail: NodeId,
     /// The pattern's other nodes: nothing is emitted for them.
     pub absorbed: Vec<NodeId>,
+    /// For q, k and v: the node whose buffer holds it and its view there, where it is a view
+    /// of another node (see [`view::source_view`]).
+    pub views: [Option<(NodeId, StridedView)>; 3],
+    /// The transpose (and reshape) after `tail` that the call absorbs, and `tail`'s view in
+    /// the last one's buffer (see [`view::result_view`]); the call stands for that node.
+    pub out: Option<(Vec<NodeId>, StridedView)>,
+}
+
+impl Attention {
+    /// The node the call stands for: the end of the absorbed result chain, else `tail`.
+    pub fn stands_for(&self) -> NodeId {
+        self.out
+            .as_ref()
+            .and_then(|(nodes, _)| nodes.last().copied())
+            .unwrap_or(self.tail)
+    }
+
+    /// The call's operands: q, k and v (their buffers' nodes where they are views), then the
+    /// mask.
+    pub fn operands(&self) -> Vec<NodeId> {
+        let mut ops: Vec<NodeId> = [self.q, self.k, self.v]
+            .iter()
+            .zip(&self.views)
+            .map(|(&x, v)| v.as_ref().map_or(x, |(src, _)| *src))
+            .collect();
+        ops.extend(self.mask);
+        ops
+    }
 }
 
 /// If `b` is `broadcast(reshape(reduce(x, kind, [r-1])))` back to `x`'s shape (the tracer's
@@ -202,7 +237,16 @@ pub(crate) fn attention(g: &Graph, tail: NodeId) -> Option<Attention> {
         .chain(&mask)
         .all(|&o| g.node(o).ty.dtype == dtype);
     let shapes_ok = [q, k].iter().all(|&o| g.node(o).ty.shape.rank() == r);
-    (same && shapes_ok).then_some(Attention {
+    if !(same && shapes_ok) {
+        return None;
+    }
+    let views = [q, k, v].map(|x| view::source_view(g, x));
+    let out = view::result_view(g, tail);
+    if out.is_some() {
+        absorbed.push(tail);
+        absorbed.extend(out.iter().flat_map(|(nodes, _)| &nodes[..nodes.len() - 1]));
+    }
+    Some(Attention {
         q,
         k,
         v,
@@ -210,6 +254,8 @@ pub(crate) fn attention(g: &Graph, tail: NodeId) -> Option<Attention> {
         scale,
         tail,
         absorbed,
+        views,
+        out,
     })
 }
 
@@ -220,6 +266,24 @@ pub(crate) fn attention_chain_of(
     id: NodeId,
     picks: &dyn Fn(NodeId) -> bool,
 ) -> Option<Attention> {
+    // The transpose and reshape after the tail: look back to it.
+    let mut back = id;
+    for _ in 0..2 {
+        if !matches!(g.node(back).op, Op::Transpose(_) | Op::Reshape(_)) {
+            break;
+        }
+        back = g.node(back).operands[0];
+        if matches!(g.node(back).op, Op::DotGeneral(_)) {
+            let found = attention(g, back).filter(|a| {
+                let chain = a.out.as_ref().map_or(&[][..], |(nodes, _)| &nodes[..]);
+                chain.contains(&id) && picks(a.tail)
+            });
+            if found.is_some() {
+                return found;
+            }
+            break;
+        }
+    }
     if !may_belong(g, id) {
         return None;
     }
@@ -233,7 +297,7 @@ pub(crate) fn attention_chain_of(
             }
             if matches!(g.node(cur).op, Op::DotGeneral(_)) {
                 // Membership first: `picks` may match the pattern again (`FfiMode::attends`).
-                let member = |a: &Attention| a.tail == id || a.absorbed.contains(&id);
+                let member = |a: &Attention| a.stands_for() == id || a.absorbed.contains(&id);
                 if let Some(a) = attention(g, cur).filter(|a| member(a) && picks(a.tail)) {
                     return Some(a);
                 }
@@ -282,23 +346,56 @@ fn may_belong(g: &Graph, id: NodeId) -> bool {
     }
 }
 
-/// The lowering of node `id` as part of attention `a`.
-pub(crate) fn lowering(g: &Graph, id: NodeId, a: &Attention) -> FfiLowering {
-    if id != a.tail {
+/// The lowering of node `id` as part of attention `a`. `emitted` says whether the lowering
+/// emits a node's value (not one that every user reads through): a view's source must be.
+pub(crate) fn lowering(
+    g: &Graph,
+    id: NodeId,
+    a: &Attention,
+    emitted: &dyn Fn(NodeId) -> bool,
+) -> FfiLowering {
+    let result = a.stands_for();
+    if id != result {
         return FfiLowering::Absorbed;
     }
-    let mut operands = vec![a.q, a.k, a.v];
-    operands.extend(a.mask);
-    let config = format!(
-        "mask = {} : i64, scale = {:.17e} : f64",
-        a.mask.is_some() as i64,
-        a.scale
-    );
+    let mut a = a.clone();
+    for v in &mut a.views {
+        if v.as_ref().is_some_and(|(src, _)| !emitted(*src)) {
+            *v = None;
+        }
+    }
+    let operands = a.operands();
+    let mut attrs = vec![
+        ("mask", format!("{} : i64", a.mask.is_some() as i64)),
+        ("scale", format!("{:.17e} : f64", a.scale)),
+    ];
+    if let Some((_, v)) = &a.out {
+        attrs.push(("o_view", v.attr()));
+    }
+    for (name, v) in ["q_view", "k_view", "v_view"].into_iter().zip(&a.views) {
+        if let Some((_, v)) = v {
+            attrs.push((name, v.attr()));
+        }
+    }
+    attrs.sort();
+    let config: Vec<String> = attrs.iter().map(|(n, v)| format!("{n} = {v}")).collect();
+    let config = config.join(", ");
     let tys: Vec<&crate::ir::TensorType> = operands.iter().map(|&o| &g.node(o).ty).collect();
     FfiLowering::Call {
-        attrs: super::mlir::custom_call_attrs(ATTENTION_TARGET, &config, &tys, &g.node(a.tail).ty),
+        attrs: super::mlir::custom_call_attrs(ATTENTION_TARGET, &config, &tys, &g.node(result).ty),
         operands,
     }
+}
+
+/// The view attribute `name` of a call (`None`: the buffer itself, whole).
+fn view_attr(call: &Call<'_>, name: &str) -> Result<Option<StridedView>> {
+    if call.attr(name).is_none() {
+        return Ok(None);
+    }
+    let items = call.attr_ints(name)?;
+    StridedView::from_attr(items)
+        .map(Some)
+        .ok_or_else(|| Error::Invalid(format!("attention: malformed {name} {items:?}")))
 }
 
 /// The attention kernel ([`ATTENTION_TARGET`]).
@@ -313,7 +410,23 @@ impl FfiKernel for AttentionKernel {
         call.expect_arity(3 + has_mask as usize, 1)?;
         let (qb, kb, vb, ob) = (call.arg(0)?, call.arg(1)?, call.arg(2)?, call.ret(0)?);
         let mb = has_mask.then(|| call.arg(3)).transpose()?;
-        let (qd, kd, vd, od) = (qb.dims, kb.dims, vb.dims, ob.dims);
+        // Each of q, k, v and the result: the buffer whole, or a view in it.
+        let views = [
+            view_attr(call, "q_view")?,
+            view_attr(call, "k_view")?,
+            view_attr(call, "v_view")?,
+            view_attr(call, "o_view")?,
+        ];
+        let dims = |b: &BufferRef<'_>, v: &Option<StridedView>| -> Vec<i64> {
+            v.as_ref()
+                .map_or_else(|| b.dims.to_vec(), |v| v.sizes.clone())
+        };
+        let (qd, kd, vd, od) = (
+            dims(&qb, &views[0]),
+            dims(&kb, &views[1]),
+            dims(&vb, &views[2]),
+            dims(&ob, &views[3]),
+        );
         let bad = |m: &str| {
             Error::Invalid(format!(
                 "attention of q {qd:?}, k {kd:?}, v {vd:?} into {od:?}: {m}"
@@ -352,7 +465,15 @@ impl FfiKernel for AttentionKernel {
         let flops = 2.0 * (b.iter().product::<i64>() * l * s * (dq + dv)) as f64;
         handoff::run_kernel(call.flag(SERIAL_ATTR), flops, || {
             let _guard = torch_lock();
-            let (q, k, v) = (qb.tensor()?, kb.tensor()?, vb.tensor()?);
+            let open = |b: &BufferRef<'_>, v: &Option<StridedView>| match v {
+                Some(v) => b.tensor_view(v.offset, &v.sizes, &v.strides),
+                None => b.tensor(),
+            };
+            let (q, k, v) = (
+                open(&qb, &views[0])?,
+                open(&kb, &views[1])?,
+                open(&vb, &views[2])?,
+            );
             let mask = mb.as_ref().map(|m| m.tensor()).transpose()?;
             let y = tch::Tensor::f_scaled_dot_product_attention(
                 &q,
@@ -364,7 +485,7 @@ impl FfiKernel for AttentionKernel {
                 scale,
                 false,
             )?;
-            ob.tensor()?.f_copy_(&y)?;
+            open(&ob, &views[3])?.f_copy_(&y)?;
             Ok(())
         })
     }

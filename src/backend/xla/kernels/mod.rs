@@ -41,7 +41,8 @@
 //! Besides these, fused kernels stand for several nodes each: packed convolutions and linears
 //! on frozen weights with their epilogues (the `packed` and `packed_linear` modules) and
 //! scaled dot-product attention in inference graphs ([`ATTENTION_TARGET`], the `attention`
-//! module).
+//! module), which reads its operands and writes its result through strided views of other
+//! nodes' buffers where the graph only moves data in between (the `view` module).
 //!
 //! A plugin without the FFI extension, or not a CPU plugin, gets pure XLA lowering (see
 //! `XlaBackend::ffi_status`).
@@ -56,6 +57,7 @@ mod packed;
 mod packed_linear;
 mod selftest;
 mod threads;
+mod view;
 pub(crate) mod weights;
 
 pub use conv::{
@@ -645,7 +647,9 @@ pub fn ffi_lowering<S: FfiSelect + ?Sized>(g: &Graph, id: NodeId, mode: &S) -> O
         }
     }
     if let Some(a) = attention::attention_chain_of(g, id, &|t| picked(g, t, mode)) {
-        return Some(attention::lowering(g, id, &a));
+        let emitted =
+            |src: NodeId| !matches!(ffi_lowering(g, src, mode), Some(FfiLowering::Absorbed));
+        return Some(attention::lowering(g, id, &a, &emitted));
     }
     match &n.op {
         Op::DotGeneral(d) if n.operands.len() == 2 => {

@@ -610,34 +610,44 @@ impl BufferRef<'_> {
     /// kiln kernel builds its views inside [`FfiKernel::run`] and drops them there). Writing
     /// through a view of an *operand* is not allowed (XLA may share the buffer).
     pub fn tensor(&self) -> Result<tch::Tensor> {
-        self.view(self.dims, &[])
+        self.view(0, self.dims, &[])
     }
 
     /// A libtorch tensor viewing this buffer's memory with `sizes` and element `strides`
     /// that stay inside the buffer (e.g. a channels-last `[N, C, H, W]` view of an NHWC
     /// buffer). Same rules as [`BufferRef::tensor`].
     pub fn tensor_strided(&self, sizes: &[i64], strides: &[i64]) -> Result<tch::Tensor> {
+        self.tensor_view(0, sizes, strides)
+    }
+
+    /// [`BufferRef::tensor_strided`] starting `offset` elements into the buffer (e.g. one of
+    /// the query, key and value inside a fused projection's result).
+    pub fn tensor_view(&self, offset: i64, sizes: &[i64], strides: &[i64]) -> Result<tch::Tensor> {
         let numel: i64 = self.dims.iter().product();
         let inside = sizes.len() == strides.len()
+            && offset >= 0
             && sizes.iter().all(|&s| s >= 0)
             && strides.iter().all(|&s| s >= 0)
             && (sizes.contains(&0)
-                || sizes
-                    .iter()
-                    .zip(strides)
-                    .map(|(&s, &t)| (s - 1) * t)
-                    .sum::<i64>()
+                || offset
+                    + sizes
+                        .iter()
+                        .zip(strides)
+                        .map(|(&s, &t)| (s - 1) * t)
+                        .sum::<i64>()
                     < numel);
         if !inside {
             return Err(Error::Invalid(format!(
-                "a view of sizes {sizes:?} and strides {strides:?} does not fit a buffer of {:?}",
+                "a view at offset {offset} of sizes {sizes:?} and strides {strides:?} does not fit a buffer of {:?}",
                 self.dims
             )));
         }
-        self.view(sizes, strides)
+        // An empty view reads nothing: it starts at the buffer (which may be empty too).
+        let offset = if sizes.contains(&0) { 0 } else { offset };
+        self.view(offset, sizes, strides)
     }
 
-    fn view(&self, sizes: &[i64], strides: &[i64]) -> Result<tch::Tensor> {
+    fn view(&self, offset: i64, sizes: &[i64], strides: &[i64]) -> Result<tch::Tensor> {
         let kind = match self.dtype {
             DType::F32 => tch::Kind::Float,
             _ => tch::Kind::Double,
@@ -649,11 +659,16 @@ impl BufferRef<'_> {
         // SAFETY: XLA guarantees that `data` holds a dense row-major array of `dims` elements
         // of this type for the duration of the call, and the view is dropped within the call
         // (see above); the view covers those elements only (`sizes` are `dims` with default
-        // strides, or were checked to stay inside by `tensor_strided`). Empty arrays are
-        // viewed without reading memory.
+        // strides and offset 0, or were checked to stay inside by `tensor_view`, so the
+        // offset pointer is inside the buffer too). Empty arrays are viewed at offset 0
+        // without reading memory.
         let t = unsafe {
+            let elem = match self.dtype {
+                DType::F32 => 4,
+                _ => 8,
+            };
             tch::Tensor::f_from_blob(
-                self.data.cast::<u8>(),
+                self.data.cast::<u8>().offset((offset * elem) as isize),
                 sizes,
                 strides,
                 kind,
