@@ -187,9 +187,15 @@ impl FfiMode {
     /// small convolutions (squeezenet's, 1×1 ones) do not earn back. Grouped ones go to
     /// libtorch however small: XLA takes 0.8–1.1 ms for a 960-channel depthwise 3×3 on 2×2
     /// and its gradient (0.28 MFLOP), libtorch 0.16–0.2 ms; keeping small ones in XLA made
-    /// mobilenet_v2 2.8× slower.
+    /// mobilenet_v2 2.8× slower. Convolutions over non-overlapping windows (a patch
+    /// embedding) go to libtorch from [`AUTO_MIN_PATCH_CONV_FLOPS`].
     pub fn auto_conv(c: &ConvAttrs, x: &TensorType, k: &TensorType) -> bool {
-        c.feature_groups > 1 || conv_flops(c, x, k) >= AUTO_MIN_CONV_FLOPS
+        let min = if non_overlapping(c, k) {
+            AUTO_MIN_PATCH_CONV_FLOPS
+        } else {
+            AUTO_MIN_CONV_FLOPS
+        };
+        c.feature_groups > 1 || conv_flops(c, x, k) >= min
     }
 
     /// The measured rule for dots: libtorch (MKL) for a dot whose right operand contracts its
@@ -316,7 +322,7 @@ impl FfiMode {
             return false;
         };
         let (x, k) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
-        c.feature_groups > 1 || conv_flops(c, x, k) >= forward_conv_min_flops(k)
+        c.feature_groups > 1 || conv_flops(c, x, k) >= forward_conv_min_flops(c, k)
     }
 }
 
@@ -393,9 +399,36 @@ pub const AUTO_MIN_FORWARD_CONV_FLOPS: f64 = 2e8;
 /// took 1.3–3.5 ms as a kernel and made the model 30–60 % slower, hence 1×1 is left out.
 pub const AUTO_MIN_FORWARD_SPATIAL_CONV_FLOPS: f64 = 3e7;
 
-/// The forward-convolution threshold of [`FfiMode::Auto`] for a kernel of type `k`.
-fn forward_conv_min_flops(k: &TensorType) -> f64 {
-    if k.shape.dims().iter().skip(2).any(|&d| d > 1) {
+/// Below this many floating-point operations, [`FfiMode::Auto`] leaves an ungrouped forward
+/// convolution over non-overlapping windows ([`non_overlapping`]: a vision transformer's
+/// patch embedding) to XLA. XLA's CPU convolution is slow on them: vit's 8×8 stride-8
+/// patch embedding (`[4, 3, 64, 64]` by `[256, 3, 8, 8]`, 25 MFLOP), 2-vCPU Xeon, µs a call,
+/// best of 5: XLA 435, im2col 291, libtorch's kernel 224 (eager 149).
+pub const AUTO_MIN_PATCH_CONV_FLOPS: f64 = 1e6;
+
+/// Does convolution `c` with kernel type `k` read each input element once (stride equal to
+/// the window in every spatial dim, windows larger than 1, no padding or dilation, one
+/// group)?
+fn non_overlapping(c: &ConvAttrs, k: &TensorType) -> bool {
+    let window = &k.shape.dims()[2.min(k.shape.rank())..];
+    !window.is_empty()
+        && window.iter().any(|&w| w > 1)
+        && c.strides[..] == *window
+        && c.padding.iter().all(|&p| p == (0, 0))
+        && c.lhs_dilation
+            .iter()
+            .chain(&c.rhs_dilation)
+            .all(|&d| d == 1)
+        && c.feature_groups == 1
+        && c.batch_groups == 1
+}
+
+/// The forward-convolution threshold of [`FfiMode::Auto`] for convolution `c` with a kernel
+/// of type `k`.
+fn forward_conv_min_flops(c: &ConvAttrs, k: &TensorType) -> f64 {
+    if non_overlapping(c, k) {
+        AUTO_MIN_PATCH_CONV_FLOPS
+    } else if k.shape.dims().iter().skip(2).any(|&d| d > 1) {
         AUTO_MIN_FORWARD_SPATIAL_CONV_FLOPS
     } else {
         AUTO_MIN_FORWARD_CONV_FLOPS
@@ -548,7 +581,7 @@ impl FfiSelect for FfiMode {
                 (self.conv(c, a, b)
                     && (*self != FfiMode::Auto
                         || c.feature_groups > 1
-                        || conv_flops(c, a, b) >= forward_conv_min_flops(b)
+                        || conv_flops(c, a, b) >= forward_conv_min_flops(c, b)
                         || is_gradient_conv(g, id, c)))
                     || packed()
             }

@@ -260,7 +260,7 @@ fn weight_gradient_form_equals_plain_form() {
 }
 
 /// In a graph, an ungrouped forward convolution goes to libtorch from 30 MFLOP with a
-/// spatial window, from 200 MFLOP as 1×1, whether its weight is passed per call or frozen (a
+/// spatial window, from 200 MFLOP as 1×1, from 1 MFLOP over non-overlapping windows, whether its weight is passed per call or frozen (a
 /// packed convolution); see `auto_rule_packs_runs_of_convolutions` for packed ones next to
 /// others.
 #[test]
@@ -269,6 +269,10 @@ fn auto_rule_for_forward_convolutions_in_a_graph() {
     let t = |d: &[usize]| TensorType::new(DType::F32, d.to_vec());
     let mut pad = ConvAttrs::plain(2);
     pad.padding = vec![(1, 1), (1, 1)];
+    let mut patch = ConvAttrs::plain(2);
+    patch.strides = vec![8, 8];
+    let mut overlap = ConvAttrs::plain(2);
+    overlap.strides = vec![4, 4];
     let cases = [
         // resnet18's 3x3 64->64 on 16x16 (75 MFLOP)
         (pad.clone(), [4, 64, 16, 16], [64, 64, 3, 3], true),
@@ -283,6 +287,13 @@ fn auto_rule_for_forward_convolutions_in_a_graph() {
         ),
         // a 1x1 of 268 MFLOP
         (ConvAttrs::plain(2), [4, 512, 8, 8], [1024, 512, 1, 1], true),
+        // vit's patch embedding: 8x8 windows at stride 8 (25 MFLOP), from 1 MFLOP (1.6 and
+        // 0.003 MFLOP)
+        (patch.clone(), [4, 3, 64, 64], [256, 3, 8, 8], true),
+        (patch.clone(), [2, 3, 32, 32], [128, 3, 8, 8], true),
+        (patch, [1, 3, 8, 8], [8, 3, 8, 8], false),
+        // overlapping 8x8 windows at stride 4 (19 MFLOP): XLA
+        (overlap, [4, 3, 32, 32], [256, 3, 8, 8], false),
     ];
     for (c, x, k, want) in cases {
         for kind in [InputKind::Data, InputKind::Parameter] {
