@@ -121,7 +121,7 @@ fn zoo_models_with_packed_kernels_match_float64() {
         ("resnext50_32x4d", 53, 53, 1, 1),
         ("alexnet", 5, 4, 3, 3),
         ("bert", 0, 0, 16, 0),
-        ("vit", 1, 0, 17, 1),
+        ("vit", 1, 1, 17, 1),
     ] {
         let model = SharedModel::new(zoo::build(name, 0).unwrap());
         randomize_batch_norm(&model, 77);
