@@ -678,3 +678,33 @@ impl BufferRef<'_> {
         Ok(t)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A view at an offset reads the elements libtorch's `as_strided` reads; views reaching
+    /// outside the buffer are errors, not reads.
+    #[test]
+    fn views_read_inside_their_buffer_only() {
+        let mut data: Vec<f32> = (0..24).map(|i| i as f32).collect();
+        let dims = [2i64, 12];
+        let b = BufferRef {
+            dtype: DType::F32,
+            dims: &dims,
+            data: data.as_mut_ptr().cast(),
+        };
+        // Column 1 of a [4, 6] reading, from element 6 on: 7, 13, 19.
+        let v = b.tensor_view(7, &[3], &[6]).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&v).unwrap(), [7.0, 13.0, 19.0]);
+        let whole = tch::Tensor::from_slice(&data);
+        assert!(v.equal(&whole.as_strided([3], [6], Some(7))));
+        // The last element is index 23: one more step, or one more offset, is outside.
+        assert!(b.tensor_view(5, &[4], &[6]).is_ok());
+        assert!(b.tensor_view(6, &[4], &[6]).is_err());
+        assert!(b.tensor_view(-1, &[1], &[1]).is_err());
+        assert!(b.tensor_view(0, &[2, 2], &[1]).is_err());
+        // Empty views read nothing, wherever they say they start.
+        assert_eq!(b.tensor_view(100, &[0], &[1]).unwrap().numel(), 0);
+    }
+}
