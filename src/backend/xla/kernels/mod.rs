@@ -400,7 +400,7 @@ pub const AUTO_MIN_FORWARD_CONV_FLOPS: f64 = 2e8;
 pub const AUTO_MIN_FORWARD_SPATIAL_CONV_FLOPS: f64 = 3e7;
 
 /// Below this many floating-point operations, [`FfiMode::Auto`] leaves an ungrouped forward
-/// convolution over non-overlapping windows ([`non_overlapping`]: a vision transformer's
+/// convolution over non-overlapping windows (stride = window, no padding: a vision transformer's
 /// patch embedding) to XLA. XLA's CPU convolution is slow on them: vit's 8×8 stride-8
 /// patch embedding (`[4, 3, 64, 64]` by `[256, 3, 8, 8]`, 25 MFLOP), 2-vCPU Xeon, µs a call,
 /// best of 5: XLA 435, im2col 291, libtorch's kernel 224 (eager 149).
