@@ -260,9 +260,9 @@ fn weight_gradient_form_equals_plain_form() {
 }
 
 /// In a graph, an ungrouped forward convolution goes to libtorch from 30 MFLOP with a
-/// spatial window, from 200 MFLOP as 1×1, from 1 MFLOP over non-overlapping windows, whether its weight is passed per call or frozen (a
-/// packed convolution); see `auto_rule_packs_runs_of_convolutions` for packed ones next to
-/// others.
+/// spatial window, from 200 MFLOP as 1×1, from 1 MFLOP over non-overlapping windows,
+/// whether its weight is passed per call or frozen (a packed convolution); see
+/// `auto_rule_packs_runs_of_convolutions` for packed ones next to others.
 #[test]
 fn auto_rule_for_forward_convolutions_in_a_graph() {
     use crate::ir::{Graph, InputKind};
