@@ -18,6 +18,7 @@
 //! libtorch's attention reads strided inputs and writes its result through a permuted view
 //! at no extra cost.
 
+use super::packed::single_user;
 use crate::ir::{Graph, NodeId, Op};
 
 /// A strided view of a row-major buffer (element units).
@@ -206,11 +207,7 @@ pub(crate) fn source_view(g: &Graph, id: NodeId) -> Option<(NodeId, StridedView)
 /// followed by a reshape (the transpose's only user), the nodes `[transpose, (reshape)]` and
 /// `tail`'s elements as a view of the last one's buffer.
 pub(crate) fn result_view(g: &Graph, tail: NodeId) -> Option<(Vec<NodeId>, StridedView)> {
-    let only_user = |id: NodeId| match g.users(id)[..] {
-        [u] if !g.outputs().contains(&id) => Some(u),
-        _ => None,
-    };
-    let t = only_user(tail)?;
+    let t = single_user(g, tail)?;
     let Op::Transpose(perm) = &g.node(t).op else {
         return None;
     };
@@ -224,7 +221,7 @@ pub(crate) fn result_view(g: &Graph, tail: NodeId) -> Option<(Vec<NodeId>, Strid
     }
     let mut nodes = vec![t];
     // A reshape after it keeps the buffer (row-major both).
-    if let Some(r) = only_user(t).filter(|&r| matches!(g.node(r).op, Op::Reshape(_))) {
+    if let Some(r) = single_user(g, t).filter(|&r| matches!(g.node(r).op, Op::Reshape(_))) {
         nodes.push(r);
     }
     Some((nodes, v))

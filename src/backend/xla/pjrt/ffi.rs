@@ -663,12 +663,10 @@ impl BufferRef<'_> {
         // offset pointer is inside the buffer too). Empty arrays are viewed at offset 0
         // without reading memory.
         let t = unsafe {
-            let elem = match self.dtype {
-                DType::F32 => 4,
-                _ => 8,
-            };
             tch::Tensor::f_from_blob(
-                self.data.cast::<u8>().offset((offset * elem) as isize),
+                self.data
+                    .cast::<u8>()
+                    .offset(offset as isize * self.dtype.size_in_bytes() as isize),
                 sizes,
                 strides,
                 kind,
