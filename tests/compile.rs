@@ -317,6 +317,6 @@ fn traced_graphs_have_equal_fingerprints() {
 fn fingerprint_golden_value() {
     assert_eq!(
         build("base").fingerprint().to_hex(),
-        "3e86bb8dd57ea33646a770d132f03a68616c97625a6ac5301316aba0241e451c"
+        "06aac19be35ac98aeeb0f876d8fbf18fddc1e9cd7342bb18a976c062b9fef925"
     );
 }
