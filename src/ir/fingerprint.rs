@@ -36,8 +36,9 @@ impl fmt::Display for Fingerprint {
 /// The many small writes of a graph (a few bytes each) are gathered and hashed once at the
 /// end. Trace-every-call fingerprints its graph on every call; BLAKE3 (the hash before) took
 /// 8 % of the LinearModel's trace-every call in `perf`. The key needs no cryptographic
-/// strength (graphs are not adversarial), only a negligible chance of collision, which 256
-/// bits of two independently seeded 128-bit hashes give.
+/// strength (graphs are not adversarial), only a negligible chance of collision: at least
+/// that of one 128-bit XXH3; the second, differently seeded half fills the 256-bit
+/// [`Fingerprint`] the caches are keyed by.
 pub(crate) struct StableHasher {
     bytes: Vec<u8>,
 }
