@@ -582,3 +582,31 @@ fn cli_threads_and_plugin() {
         "{stderr}"
     );
 }
+
+/// On one CPU the XLA backend's rule hands every product of a training step to libtorch
+/// (`kernels::rule_selection`): the split and fused steps of a convolutional model and of the
+/// LinearModel still pass the accuracy checks there.
+#[test]
+fn cli_threads_1_training_accuracy() {
+    let exe = Path::new(env!("CARGO_BIN_EXE_kiln-bench"));
+    let out = Command::new(exe)
+        .args([
+            "--accuracy",
+            "--training",
+            "--threads",
+            "1",
+            "--mode",
+            "once",
+        ])
+        .args(["--only", "squeezenet1_1,linear", "--quiet"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("confined to 1 CPU(s)"), "{stdout}");
+    assert!(!stdout.contains("FAIL"), "{stdout}");
+}

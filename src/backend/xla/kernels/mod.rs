@@ -72,9 +72,9 @@ pub use onednn::avx512 as onednn_avx512;
 pub use packed::{packed_conv_enabled, PACKED_CONV_TARGET};
 pub use packed_linear::PACKED_LINEAR_TARGET;
 pub use threads::{
-    handoff, idle_pause, local_max_flops, reset_stats, serialized, set_handoff, set_idle_pause,
-    set_local_max_flops, set_serialized, set_threads, stats, threads, torch_lock, KernelGuard,
-    KernelStats,
+    handoff, idle_pause, local_max_flops, process_cpus, reset_stats, serialized, set_handoff,
+    set_idle_pause, set_local_max_flops, set_serialized, set_threads, stats, threads, torch_lock,
+    KernelGuard, KernelStats,
 };
 pub use weights::{clear_weight_cache, weight_cache_stats, WeightCacheStats};
 
@@ -110,8 +110,9 @@ pub const DOT_TARGET: &str = "kiln_dot_v1";
 pub enum FfiMode {
     /// Pure XLA lowering.
     Off,
-    /// The measured per-node rule ([`FfiMode::auto_conv`], [`FfiMode::auto_dot`]); the
-    /// default.
+    /// The measured per-node rule ([`FfiMode::auto_conv`], [`FfiMode::auto_dot`]); with one
+    /// CPU, every supported convolution and dot of a graph that computes gradients
+    /// ([`rule_selection`]). The default.
     #[default]
     Auto,
     /// Every f32/f64 convolution and dot the kernels support.
@@ -122,11 +123,16 @@ impl FfiMode {
     /// A short stable text naming the mode (part of cache keys; bump the version when the
     /// rule or the kernels' semantics change).
     pub fn key(&self) -> &'static str {
+        // The rule's training graphs depend on the process's CPUs (`rule_selection`).
+        let one_cpu = process_cpus() == Some(1);
         match self {
             FfiMode::Off => "off",
             // The rule's packed linears depend on oneDNN's ISA (`auto_packed_linear`).
+            FfiMode::Auto if !packed_conv_enabled() && one_cpu => "auto12-unpacked-1cpu",
             FfiMode::Auto if !packed_conv_enabled() => "auto12-unpacked",
+            FfiMode::Auto if onednn::avx512() && one_cpu => "auto12-avx512-1cpu",
             FfiMode::Auto if onednn::avx512() => "auto12-avx512",
+            FfiMode::Auto if one_cpu => "auto12-1cpu",
             FfiMode::Auto => "auto12",
             FfiMode::All if packed_conv_enabled() => "all4",
             FfiMode::All => "all4-unpacked",
@@ -606,13 +612,30 @@ impl FfiSelect for FfiMode {
 /// (9–14 ms of it in them) against 28.4 / 25.0 / 27.1 / 34.5 / 27.8 without; its split
 /// step 44.3 / 37.1 → 42.4 / 25.8. mobilenet_v2's and mnasnet1_0's steps (whose kernels
 /// are all grouped) and vit's do not change.
+///
+/// With one CPU ([`process_cpus`]), a graph that computes gradients ([`computes_gradients`]:
+/// a training step, or its backward part) hands every supported convolution and dot to
+/// libtorch under [`FfiMode::Auto`]: XLA then has no second core for its own products, and
+/// libtorch's are faster on one thread. Measured on a 2-vCPU Xeon with AVX-512, the process
+/// confined to one CPU, fused SGD steps alternating in one process, ms, this rule against the
+/// two-CPU rule: vit 51.8 vs 75.8, bert 65–73 vs 88.9, mobilenet_v2 55.7 vs 71.6,
+/// squeezenet1_1 23.8 vs 29.0, resnet18 74.2 vs 75.9. On two CPUs the same choice makes the
+/// steps slower (vit 45.0 vs 42.3, bert 56.4 vs 47.2), and inference graphs gain nothing from
+/// it on one CPU (resnet18 15.5 vs 16.0, squeezenet1_1 4.65 vs 4.26, bert 14.1 vs 14.3).
 pub fn rule_selection(g: &Graph, mode: FfiMode) -> HashSet<NodeId> {
-    let mut set: HashSet<NodeId> = g
+    rule_selection_on(g, mode, process_cpus())
+}
+
+/// [`rule_selection`] for a process that may run on `cpus` CPUs.
+pub fn rule_selection_on(g: &Graph, mode: FfiMode, cpus: Option<usize>) -> HashSet<NodeId> {
+    let products = g
         .petgraph()
         .node_indices()
-        .filter(|&id| matches!(g.node(id).op, Op::Conv(_) | Op::DotGeneral(_)))
-        .filter(|&id| picked(g, id, &mode))
-        .collect();
+        .filter(|&id| matches!(g.node(id).op, Op::Conv(_) | Op::DotGeneral(_)));
+    if mode == FfiMode::Auto && cpus == Some(1) && computes_gradients(g) {
+        return products.filter(|&id| supported(g, id)).collect();
+    }
+    let mut set: HashSet<NodeId> = products.filter(|&id| picked(g, id, &mode)).collect();
     if mode == FfiMode::Auto && serial_kernels(g, &set) {
         set.retain(|&id| match &g.node(id).op {
             Op::Conv(c) => c.feature_groups > 1 || c.batch_groups > 1,
@@ -620,6 +643,23 @@ pub fn rule_selection(g: &Graph, mode: FfiMode) -> HashSet<NodeId> {
         });
     }
     set
+}
+
+/// Does `g` compute gradients: does it hold one of autograd's gradient convolutions
+/// ([`is_gradient_conv`]) or a weight-gradient product (a dot without batch dims that
+/// contracts the leading dim of both operands, as autograd builds `dW = ctᵀ · x` for a
+/// product `x · Wᵀ`; see `dot_vjp`)? Forward products contract the features instead.
+pub fn computes_gradients(g: &Graph) -> bool {
+    g.petgraph().node_indices().any(|id| {
+        let n = g.node(id);
+        match &n.op {
+            Op::Conv(c) if n.operands.len() == 2 => is_gradient_conv(g, id, c),
+            Op::DotGeneral(d) => {
+                d.lhs_batch.is_empty() && d.lhs_contract.contains(&0) && d.rhs_contract.contains(&0)
+            }
+            _ => false,
+        }
+    })
 }
 
 /// Is convolution `id` (attributes `c`) one of autograd's gradient convolutions: an input
@@ -642,17 +682,21 @@ impl FfiSelect for HashSet<NodeId> {
 /// Does `sel` hand node `id` (a two-operand convolution or dot) to libtorch, and can the
 /// kernels run it?
 fn picked<S: FfiSelect + ?Sized>(g: &Graph, id: NodeId, sel: &S) -> bool {
+    supported(g, id) && sel.picks(g, id)
+}
+
+/// Is node `id` of `g` a convolution or dot (of two operands) that the kernels support?
+fn supported(g: &Graph, id: NodeId) -> bool {
     let n = g.node(id);
     if n.operands.len() != 2 {
         return false;
     }
     let (a, b) = (&g.node(n.operands[0]).ty, &g.node(n.operands[1]).ty);
-    let supported = match &n.op {
+    match &n.op {
         Op::Conv(c) => conv_supported(c, a, b),
         Op::DotGeneral(d) => dot_supported(d, a, b),
         _ => false,
-    };
-    supported && sel.picks(g, id)
+    }
 }
 
 /// Whether node `id` of `g` becomes a libtorch kernel call under `sel`, and how:

@@ -157,6 +157,68 @@ fn forward_weight_is_found_only_in_the_autograd_pattern() {
     assert_eq!(forward_weight_of(&g, w, &c), None);
 }
 
+/// With one CPU the rule hands a training graph's every supported convolution and dot to
+/// libtorch; a forward graph, and any graph on more CPUs, keep the usual rule.
+#[test]
+fn one_cpu_rule_hands_training_products_to_libtorch() {
+    use crate::ir::{DotDims, Graph, InputKind};
+    let mut c = ConvAttrs::plain(2);
+    c.padding = vec![(1, 1), (1, 1)];
+    let mut g = Graph::new();
+    let x = g.add_input(
+        InputKind::Data,
+        "x",
+        TensorType::new(DType::F32, [2, 3, 6, 6]),
+    );
+    let w = g.add_input(
+        InputKind::Data,
+        "w",
+        TensorType::new(DType::F32, [5, 3, 3, 3]),
+    );
+    let a = g.add_input(InputKind::Data, "a", TensorType::new(DType::F32, [8, 32]));
+    let l = g.add_input(InputKind::Data, "l", TensorType::new(DType::F32, [16, 32]));
+    let y = g.add(Op::Conv(c), &[x, w]).unwrap();
+    let linear = DotDims {
+        lhs_batch: vec![],
+        rhs_batch: vec![],
+        lhs_contract: vec![1],
+        rhs_contract: vec![1],
+    };
+    let z = g.add(Op::DotGeneral(linear), &[a, l]).unwrap();
+    g.set_outputs(vec![y, z]).unwrap();
+    let products = |g: &Graph| -> HashSet<NodeId> {
+        g.petgraph()
+            .node_indices()
+            .filter(|&id| matches!(g.node(id).op, Op::Conv(_) | Op::DotGeneral(_)))
+            .collect()
+    };
+    // Forward only: the same choices on one CPU as on two (these small ones stay in XLA).
+    assert!(!computes_gradients(&g));
+    let two = rule_selection_on(&g, FfiMode::Auto, Some(2));
+    assert_eq!(rule_selection_on(&g, FfiMode::Auto, Some(1)), two);
+    assert!(!two.contains(&y));
+    // With the gradients of both products: every product on one CPU, fewer on two.
+    let cy = g.add_input(InputKind::Cotangent, "cy", g.node(y).ty.clone());
+    let cz = g.add_input(InputKind::Cotangent, "cz", g.node(z).ty.clone());
+    let gy = crate::autograd::vjp(&mut g, y, cy, &[true, true]).unwrap();
+    let gz = crate::autograd::vjp(&mut g, z, cz, &[false, true]).unwrap();
+    let mut outs = vec![y, z];
+    outs.extend(gy.into_iter().chain(gz).flatten());
+    g.set_outputs(outs).unwrap();
+    assert!(computes_gradients(&g));
+    let all = products(&g);
+    assert!(all.len() >= 5, "{} products", all.len());
+    let one = rule_selection_on(&g, FfiMode::Auto, Some(1));
+    assert_eq!(one, all);
+    let two = rule_selection_on(&g, FfiMode::Auto, Some(2));
+    assert!(two.len() < one.len() && two.is_subset(&one));
+    for cpus in [None, Some(4)] {
+        assert_eq!(rule_selection_on(&g, FfiMode::Auto, cpus), two);
+    }
+    assert!(rule_selection_on(&g, FfiMode::Off, Some(1)).is_empty());
+    assert_eq!(rule_selection_on(&g, FfiMode::All, Some(2)), all);
+}
+
 #[test]
 fn malformed_attributes_and_shapes_are_errors() {
     assert!(dot_dims_of(&[1]).is_err());
