@@ -20,6 +20,18 @@ fn quick() -> BenchOptions {
     }
 }
 
+/// Runs `cmd`, asserts that it succeeded (showing its output if not), returns its stdout.
+fn stdout_of_success(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 fn csv_rows(text: &str) -> Vec<Vec<String>> {
     let mut r = csv::Reader::from_reader(text.as_bytes());
     let mut rows = vec![r.headers().unwrap().iter().map(String::from).collect()];
@@ -490,13 +502,7 @@ fn cli_from_another_directory() {
         c
     };
     let exe = Path::new(env!("CARGO_BIN_EXE_kiln-bench"));
-    let out = bench(exe).output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = stdout_of_success(&mut bench(exe));
     assert!(stdout.contains("| LinearModel"), "{stdout}");
 
     // A copy of the binary outside the workspace, run outside it: nothing to find.
@@ -542,18 +548,12 @@ fn cli_threads_and_plugin() {
     let args = [
         "--only", "linear", "--repeat", "2", "--warmup", "1", "--quiet", "--mode", "once",
     ];
-    let out = Command::new(exe)
-        .env_remove("OMP_WAIT_POLICY")
-        .args(args)
-        .args(["--threads", "1", "--csv"])
-        .arg(&csv)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = stdout_of_success(
+        Command::new(exe)
+            .env_remove("OMP_WAIT_POLICY")
+            .args(args)
+            .args(["--threads", "1", "--csv"])
+            .arg(&csv),
     );
     assert!(
         stdout.contains(
@@ -589,23 +589,17 @@ fn cli_threads_and_plugin() {
 #[test]
 fn cli_threads_1_training_accuracy() {
     let exe = Path::new(env!("CARGO_BIN_EXE_kiln-bench"));
-    let out = Command::new(exe)
-        .args([
-            "--accuracy",
-            "--training",
-            "--threads",
-            "1",
-            "--mode",
-            "once",
-        ])
-        .args(["--only", "squeezenet1_1,linear", "--quiet"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = stdout_of_success(
+        Command::new(exe)
+            .args([
+                "--accuracy",
+                "--training",
+                "--threads",
+                "1",
+                "--mode",
+                "once",
+            ])
+            .args(["--only", "squeezenet1_1,linear", "--quiet"]),
     );
     assert!(stdout.contains("confined to 1 CPU(s)"), "{stdout}");
     assert!(!stdout.contains("FAIL"), "{stdout}");
