@@ -645,8 +645,9 @@ pub fn rule_selection_on(g: &Graph, mode: FfiMode, cpus: Option<usize>) -> HashS
     set
 }
 
-/// Does `g` compute gradients: does it hold one of autograd's gradient convolutions
-/// ([`is_gradient_conv`]) or a weight-gradient product (a dot without batch dims that
+/// Does `g` compute gradients: does it hold one of autograd's gradient convolutions (an
+/// input gradient reading a reversed forward weight, or a weight gradient; see
+/// [`forward_weight_of`] and [`weight_gradient_operands_of`]) or a weight-gradient product (a dot without batch dims that
 /// contracts the leading dim of both operands, as autograd builds `dW = ctᵀ · x` for a
 /// product `x · Wᵀ`; see `dot_vjp`)? Forward products contract the features instead.
 pub fn computes_gradients(g: &Graph) -> bool {
