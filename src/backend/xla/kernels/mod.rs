@@ -122,20 +122,21 @@ pub enum FfiMode {
 impl FfiMode {
     /// A short stable text naming the mode (part of cache keys; bump the version when the
     /// rule or the kernels' semantics change).
-    pub fn key(&self) -> &'static str {
-        // The rule's training graphs depend on the process's CPUs (`rule_selection`).
-        let one_cpu = process_cpus() == Some(1);
-        match self {
-            FfiMode::Off => "off",
+    pub fn key(&self) -> String {
+        let rule = match self {
+            FfiMode::Off => return "off".into(),
+            FfiMode::All if packed_conv_enabled() => return "all4".into(),
+            FfiMode::All => return "all4-unpacked".into(),
             // The rule's packed linears depend on oneDNN's ISA (`auto_packed_linear`).
-            FfiMode::Auto if !packed_conv_enabled() && one_cpu => "auto12-unpacked-1cpu",
             FfiMode::Auto if !packed_conv_enabled() => "auto12-unpacked",
-            FfiMode::Auto if onednn::avx512() && one_cpu => "auto12-avx512-1cpu",
             FfiMode::Auto if onednn::avx512() => "auto12-avx512",
-            FfiMode::Auto if one_cpu => "auto12-1cpu",
             FfiMode::Auto => "auto12",
-            FfiMode::All if packed_conv_enabled() => "all4",
-            FfiMode::All => "all4-unpacked",
+        };
+        // The rule's training graphs depend on the process's CPUs (`rule_selection`).
+        if process_cpus() == Some(1) {
+            format!("{rule}-1cpu")
+        } else {
+            rule.into()
         }
     }
 
@@ -647,9 +648,10 @@ pub fn rule_selection_on(g: &Graph, mode: FfiMode, cpus: Option<usize>) -> HashS
 
 /// Does `g` compute gradients: does it hold one of autograd's gradient convolutions (an
 /// input gradient reading a reversed forward weight, or a weight gradient; see
-/// [`forward_weight_of`] and [`weight_gradient_operands_of`]) or a weight-gradient product (a dot without batch dims that
-/// contracts the leading dim of both operands, as autograd builds `dW = ctᵀ · x` for a
-/// product `x · Wᵀ`; see `dot_vjp`)? Forward products contract the features instead.
+/// [`forward_weight_of`] and [`weight_gradient_operands_of`]) or a weight-gradient product
+/// (a dot without batch dims that contracts the leading dim of both operands, as autograd
+/// builds `dW = ctᵀ · x` for a product `x · Wᵀ`; see `dot_vjp`)? Forward products contract
+/// the features instead.
 pub fn computes_gradients(g: &Graph) -> bool {
     g.petgraph().node_indices().any(|id| {
         let n = g.node(id);
