@@ -332,3 +332,44 @@ fn device_outputs_equal_run_on_xla() -> kiln::Result<()> {
 fn device_outputs_equal_run_on_eager() -> kiln::Result<()> {
     device_runs_match_host_runs(|| Ok(EagerBackend::new()))
 }
+
+/// On the CPU plugin a graph whose reductions all run along short trailing rows (a layer
+/// norm) compiles without XLA's tree reductions (no `reduce-window` in its optimized HLO),
+/// one that also reduces over a leading dim keeps them; both agree with float64 eager.
+#[test]
+fn short_row_reductions_compile_without_the_tree() -> kiln::Result<()> {
+    let backend = XlaBackend::new()?;
+    if backend.platform() != "cpu" {
+        println!("skipped: not the CPU plugin ({})", backend.platform());
+        return Ok(());
+    }
+    let x = Tensor::randn(&[64, 256], 7)?
+        .mul_scalar(3.0)?
+        .add_scalar(1.5)?;
+    fn ln(x: &Tensor) -> kiln::Result<Tensor> {
+        x.layer_norm(&[256], None, None, 1e-5)
+    }
+    fn columns(x: &Tensor) -> kiln::Result<Tensor> {
+        ln(x)?.mul(x)?.sum(&[0], false)
+    }
+    type Program = fn(&Tensor) -> kiln::Result<Tensor>;
+    let cases: [(&str, Program, bool); 2] = [
+        ("layer norm", ln, false),
+        ("layer norm, then a column sum", columns, true),
+    ];
+    for (name, f, tree) in cases {
+        let mut c = compile(backend.clone(), move |xs: &[Tensor]| Ok(vec![f(&xs[0])?]));
+        let inspection = c.inspect(std::slice::from_ref(&x))?;
+        let hlo = inspection.text("optimized_hlo")?;
+        assert_eq!(hlo.contains("reduce-window"), tree, "{name}:\n{hlo}");
+        let got = c.run(std::slice::from_ref(&x))?.remove(0).to_f64_vec()?;
+        let want = f(&x.to_dtype(DType::F64)?)?.to_f64_vec()?;
+        // Float32 rounding through 256-element reductions, worst case, at the output's scale.
+        let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+        let tol = 256.0 * f64::from(f32::EPSILON) * scale;
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= tol, "{name}: [{i}] {g} vs {w}");
+        }
+    }
+    Ok(())
+}

@@ -12,6 +12,7 @@ mod hlo;
 pub mod kernels;
 pub mod lower;
 pub mod pjrt;
+pub mod reductions;
 mod replicated;
 
 pub use autotune::{Autotune, Lowering, NodeChoice};
@@ -162,7 +163,9 @@ impl XlaExecutable {
 pub struct XlaOptions {
     /// XLA `DebugOptions` overrides by field name (`xla_cpu_*`, ...), sent as
     /// `CompileOptionsProto.env_option_overrides`. A name the plugin's XLA does not know makes
-    /// every compile fail with the plugin's message. Later entries win.
+    /// every compile fail with the plugin's message. Later entries win. On the CPU plugin a
+    /// graph whose reductions all run along short rows also gets XLA's tree-reduction pass
+    /// disabled ([`reductions`]) unless these set `xla_disable_hlo_passes` themselves.
     pub debug_options: Vec<(String, OptionValue)>,
     /// Which lowering each convolution gets (when `ffi` does not hand it to libtorch).
     pub conv: ConvStrategy,
@@ -241,6 +244,24 @@ impl XlaOptions {
     pub fn compile_options_bytes(&self) -> Vec<u8> {
         pjrt::compile_options_bytes_with(&self.debug_options)
     }
+
+    /// The options a CPU graph whose reductions are all short rows compiles with
+    /// ([`reductions::flat_reductions_pay`]): these plus XLA's tree-reduction pass disabled,
+    /// unless `xla_disable_hlo_passes` is already set here (the caller's choice stands).
+    pub fn flat_reduction_options(&self) -> XlaOptions {
+        let mut o = self.clone();
+        if !o
+            .debug_options
+            .iter()
+            .any(|(n, _)| n == "xla_disable_hlo_passes")
+        {
+            o.debug_options.push((
+                "xla_disable_hlo_passes".into(),
+                OptionValue::Str(reductions::TREE_REDUCTION_PASS.into()),
+            ));
+        }
+        o
+    }
 }
 
 static NEXT_CLIENT_ID: AtomicU64 = AtomicU64::new(1);
@@ -251,6 +272,9 @@ pub struct XlaBackend {
     inner: Arc<Inner>,
     options: Arc<XlaOptions>,
     option_bytes: Arc<Vec<u8>>,
+    /// `options.flat_reduction_options()` serialized, for graphs that compile without tree
+    /// reductions on the CPU plugin ([`XlaBackend::options_bytes_for`]).
+    flat_option_bytes: Arc<Vec<u8>>,
 }
 
 struct Inner {
@@ -334,6 +358,11 @@ impl XlaBackend {
             }),
             options: Arc::new(XlaOptions::default()),
             option_bytes: Arc::new(XlaOptions::default().compile_options_bytes()),
+            flat_option_bytes: Arc::new(
+                XlaOptions::default()
+                    .flat_reduction_options()
+                    .compile_options_bytes(),
+            ),
         })
     }
 
@@ -342,6 +371,7 @@ impl XlaBackend {
         XlaBackend {
             inner: self.inner.clone(),
             option_bytes: Arc::new(options.compile_options_bytes()),
+            flat_option_bytes: Arc::new(options.flat_reduction_options().compile_options_bytes()),
             options: Arc::new(options),
         }
     }
@@ -851,6 +881,17 @@ impl XlaBackend {
         self.inner.client.compile(mlir, &self.option_bytes)
     }
 
+    /// The serialized compile options for `graph`: this backend's options, with XLA's tree
+    /// reductions disabled on the CPU plugin where [`reductions::flat_reductions_pay`] says
+    /// so (see the `reductions` module for why and what it measured).
+    pub fn options_bytes_for(&self, graph: &Graph) -> &[u8] {
+        if reductions::compiles_flat(&self.inner.platform, graph) {
+            &self.flat_option_bytes
+        } else {
+            &self.option_bytes
+        }
+    }
+
     /// Serializes a compiled executable (for on-disk caches).
     pub fn serialize(&self, exe: &XlaExecutable) -> Result<Vec<u8>> {
         exe.exe.serialize()
@@ -993,7 +1034,10 @@ impl Backend for XlaBackend {
     fn compile(&self, graph: &Graph) -> Result<XlaExecutable> {
         graph.verify()?;
         let mlir = self.lower(graph)?;
-        let exe = self.compile_mlir(&mlir)?;
+        let exe = self
+            .inner
+            .client
+            .compile(&mlir, self.options_bytes_for(graph))?;
         Ok(XlaExecutable::new(exe, graph, mlir))
     }
 
@@ -1118,7 +1162,7 @@ impl Backend for XlaBackend {
 
     fn cache_key(&self) -> String {
         format!(
-            "xla/{}/{}/pjrt{}.{}/opts{:02x?}/conv-{}/ffi-{}/{}",
+            "xla/{}/{}/pjrt{}.{}/opts{:02x?}/conv-{}/ffi-{}/{}/flat-rows{}",
             self.inner.platform,
             self.inner.platform_version,
             self.inner.api_version.0,
@@ -1130,7 +1174,8 @@ impl Backend for XlaBackend {
                 self.options.autotune.key()
             } else {
                 "rule".into()
-            }
+            },
+            reductions::FLAT_REDUCTION_MAX
         )
     }
 

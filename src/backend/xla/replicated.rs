@@ -34,6 +34,8 @@ pub struct Replicated {
     base: XlaBackend,
     replicas: usize,
     option_bytes: Arc<Vec<u8>>,
+    /// `option_bytes` with XLA's tree reductions disabled (see [`XlaBackend::options_bytes_for`]).
+    flat_option_bytes: Arc<Vec<u8>>,
 }
 
 /// A value on every replica's device: `parts()[r]` lives on replica `r`'s device. All parts
@@ -76,6 +78,11 @@ impl XlaBackend {
                 devices,
                 &self.options().debug_options,
             )),
+            flat_option_bytes: Arc::new(pjrt::compile_options_bytes_for(
+                replicas,
+                devices,
+                &self.options().flat_reduction_options().debug_options,
+            )),
             base: self.clone(),
             replicas,
         })
@@ -114,7 +121,12 @@ impl Backend for Replicated {
     fn compile(&self, graph: &Graph) -> Result<XlaExecutable> {
         graph.verify()?;
         let mlir = self.lower(graph)?;
-        let exe = self.base.client().compile(&mlir, &self.option_bytes)?;
+        let bytes = if super::reductions::compiles_flat(self.base.platform(), graph) {
+            &self.flat_option_bytes
+        } else {
+            &self.option_bytes
+        };
+        let exe = self.base.client().compile(&mlir, bytes)?;
         Ok(XlaExecutable::new(exe, graph, mlir))
     }
 
