@@ -1162,7 +1162,7 @@ impl Backend for XlaBackend {
 
     fn cache_key(&self) -> String {
         format!(
-            "xla/{}/{}/pjrt{}.{}/opts{:02x?}/conv-{}/ffi-{}/{}/flat-rows{}",
+            "xla/{}/{}/pjrt{}.{}/opts{:02x?}/conv-{}/ffi-{}/flat-rows{}/{}",
             self.inner.platform,
             self.inner.platform_version,
             self.inner.api_version.0,
@@ -1170,12 +1170,12 @@ impl Backend for XlaBackend {
             self.option_bytes,
             self.options.conv.key(),
             self.effective_ffi().key(),
+            reductions::FLAT_REDUCTION_MAX,
             if self.autotuning() {
                 self.options.autotune.key()
             } else {
                 "rule".into()
-            },
-            reductions::FLAT_REDUCTION_MAX
+            }
         )
     }
 
