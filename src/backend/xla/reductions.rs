@@ -1,6 +1,6 @@
 //! Whether the CPU compiler splits a graph's reductions into trees.
 //!
-//! XLA's CPU compiler rewrites every reduction of more than 32 elements into a
+//! XLA's CPU compiler rewrites every reduction longer than its window (32 elements) into a
 //! `reduce-window` of 32-element windows followed by a reduction of the partial results
 //! (its `tree_reduction_rewriter` pass), for accuracy. Each half becomes a fusion of its
 //! own, and the producer of the reduced values is fused into neither, so a `LayerNorm`
@@ -44,12 +44,12 @@ pub fn flat_reductions_pay(g: &Graph) -> bool {
             return false;
         };
         let dims = g.node(x).ty.shape.dims();
-        let trailing = axes
-            .iter()
-            .enumerate()
-            .all(|(i, &a)| a == dims.len() - axes.len() + i);
-        let reduced: usize = axes.iter().map(|&a| dims[a]).product();
-        if !trailing || reduced > FLAT_REDUCTION_MAX {
+        // An unverified graph may name dims it lacks: then it keeps the pass.
+        let Some(first) = dims.len().checked_sub(axes.len()) else {
+            return false;
+        };
+        let trailing = axes.iter().enumerate().all(|(i, &a)| a == first + i);
+        if !trailing || axes.iter().map(|&a| dims[a]).product::<usize>() > FLAT_REDUCTION_MAX {
             return false;
         }
         any = true;
