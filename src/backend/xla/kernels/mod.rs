@@ -629,10 +629,7 @@ pub fn rule_selection(g: &Graph, mode: FfiMode) -> HashSet<NodeId> {
 
 /// [`rule_selection`] for a process that may run on `cpus` CPUs.
 pub fn rule_selection_on(g: &Graph, mode: FfiMode, cpus: Option<usize>) -> HashSet<NodeId> {
-    let products = g
-        .petgraph()
-        .node_indices()
-        .filter(|&id| matches!(g.node(id).op, Op::Conv(_) | Op::DotGeneral(_)));
+    let products = products(g);
     if mode == FfiMode::Auto && cpus == Some(1) && computes_gradients(g) {
         return products.filter(|&id| supported(g, id)).collect();
     }
@@ -644,6 +641,13 @@ pub fn rule_selection_on(g: &Graph, mode: FfiMode, cpus: Option<usize>) -> HashS
         });
     }
     set
+}
+
+/// The convolution and dot nodes of `g`: those a rule chooses a lowering for.
+fn products(g: &Graph) -> impl Iterator<Item = NodeId> + '_ {
+    g.petgraph()
+        .node_indices()
+        .filter(|&id| matches!(g.node(id).op, Op::Conv(_) | Op::DotGeneral(_)))
 }
 
 /// Does `g` compute gradients: does it hold one of autograd's gradient convolutions (an
