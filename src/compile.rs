@@ -3,11 +3,11 @@
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::inspect::Inspection;
-use crate::ir::{Fingerprint, Graph, GraphSize, InputKind, TensorType};
+use crate::ir::{Fingerprint, Graph, InputKind, TensorType};
 use crate::passes::{dedup_outputs, simplify, OutputSource};
 use crate::runtime::exec::{Arg, Dest, Plan, Step, Values};
 use crate::runtime::{DeviceOutputs, DeviceResult, Runtime, Stats};
-use crate::trace::{trace_sized, var_input, Binding, Tensor, Traced};
+use crate::trace::{trace_into, var_input, Binding, LatestTraces, Tensor, Traced};
 use parking_lot::{Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -206,8 +206,8 @@ struct Tracer<B: Backend> {
     /// trace repeats an earlier one pays the trace and a fingerprint, not the preparation
     /// (simplification, the backend's rewrites, binding) again.
     seen: HashMap<TraceKey, (Program, Arc<FnPlan<B>>)>,
-    /// The size of the latest trace, which the next one starts with room for.
-    last_size: GraphSize,
+    /// Trace every time: each signature's latest trace and its plan, checked before `seen`.
+    latest: LatestTraces<Arc<FnPlan<B>>>,
 }
 
 /// What identifies a trace: the raw graph's structure and what its inputs and outputs are
@@ -302,7 +302,7 @@ where
                 f: Box::new(f),
                 programs: HashMap::new(),
                 seen: HashMap::new(),
-                last_size: GraphSize::default(),
+                latest: LatestTraces::new(),
             }),
             plans: RwLock::new(HashMap::new()),
             seed: 0,
@@ -492,25 +492,31 @@ impl<B: Backend> FnState<B> {
         }
         let tracer = &mut *tracer; // borrow its fields apart
         let t0 = Instant::now();
-        let traced = trace_sized(signature, tracer.last_size, |xs| (tracer.f)(xs))?;
-        tracer.last_size = traced.graph.size();
-        let key = match self.mode {
-            TraceMode::EveryCall => TraceKey::of(&traced),
-            TraceMode::Once => None,
-        };
+        let storage = tracer.latest.storage();
+        let traced = trace_into(signature, storage, |xs| (tracer.f)(xs))?;
+        let every = self.mode == TraceMode::EveryCall;
+        if every {
+            // The common case: the same program as this signature's latest trace.
+            if let Some(plan) = tracer.latest.get(signature, &traced) {
+                tracer.latest.recycle(traced);
+                self.rt.metrics().traced(t0.elapsed());
+                self.rt.metrics().cache_hit();
+                return Ok(plan);
+            }
+        }
+        let key = if every { TraceKey::of(&traced) } else { None };
         if let Some((program, plan)) = key.as_ref().and_then(|k| tracer.seen.get(k)) {
             let plan = plan.clone();
             self.rt.metrics().traced(t0.elapsed());
             self.rt.metrics().cache_hit();
-            let current = self.plans.read().get(signature).cloned();
-            if !current.is_some_and(|c| Arc::ptr_eq(&c, &plan)) {
-                // The signature's latest program changed back to one seen before.
-                let program = program.clone();
-                tracer.programs.insert(signature.to_vec(), program);
-                self.plans.write().insert(signature.to_vec(), plan.clone());
-            }
+            // The signature's latest program changed back to one seen before.
+            let program = program.clone();
+            tracer.programs.insert(signature.to_vec(), program);
+            self.plans.write().insert(signature.to_vec(), plan.clone());
+            tracer.latest.insert(signature, traced, plan.clone());
             return Ok(plan);
         }
+        let latest = every.then(|| traced.clone());
         let rt = &self.rt;
         let program = Program::with_layouts(traced, rt.backend(), &mut |var, wanted| {
             rt.transposed_layout(var, wanted)
@@ -520,6 +526,9 @@ impl<B: Backend> FnState<B> {
         let plan = Arc::new(self.bind(&program, exe, signature.len())?);
         if let Some(k) = key {
             tracer.seen.insert(k, (program.clone(), plan.clone()));
+        }
+        if let Some(traced) = latest {
+            tracer.latest.insert(signature, traced, plan.clone());
         }
         tracer.programs.insert(signature.to_vec(), program);
         self.plans.write().insert(signature.to_vec(), plan.clone());

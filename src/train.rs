@@ -28,15 +28,13 @@ use crate::autograd::{joint, partition, BackwardInput, SavePolicy};
 use crate::backend::{Backend, HostTensor};
 use crate::compile::TraceMode;
 use crate::error::{Error, Result};
-use crate::ir::{
-    BinaryOp, DType, Fingerprint, Graph, GraphSize, InputKind, Literal, NodeId, Op, TensorType,
-};
+use crate::ir::{BinaryOp, DType, Fingerprint, Graph, InputKind, Literal, NodeId, Op, TensorType};
 use crate::nn::{Init, ParamStore};
 use crate::optim::Optimizer;
 use crate::passes::autocast_graph;
 use crate::runtime::exec::{Arg, Dest, Plan, PlanBuilder, StepBuilder, VarId};
 use crate::runtime::{ExecutableCache, Runtime, Stats};
-use crate::trace::{trace_sized, Binding, Tensor, Traced};
+use crate::trace::{trace_into, Binding, LatestTraces, Tensor, Traced};
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
@@ -170,8 +168,9 @@ pub struct TrainStep<B: Backend> {
     programs: Vec<TrainProgram<B>>,
     by_signature: HashMap<Vec<TensorType>, usize>,
     by_fingerprint: HashMap<Fingerprint, usize>,
-    /// The size of the latest trace, which the next one starts with room for.
-    last_trace_size: GraphSize,
+    /// Trace every time: each signature's latest trace and its program, checked before the
+    /// fingerprint.
+    latest: LatestTraces<usize>,
     /// The last step's program and its per-step device values (the loss among them).
     last: Option<(usize, Vec<Option<B::Buffer>>)>,
     steps: u64,
@@ -221,7 +220,7 @@ impl<B: Backend> TrainStep<B> {
             programs: Vec::new(),
             by_signature: HashMap::new(),
             by_fingerprint: HashMap::new(),
-            last_trace_size: GraphSize::default(),
+            latest: LatestTraces::new(),
             last: None,
             steps: 0,
             mixed: None,
@@ -526,10 +525,17 @@ impl<B: Backend> TrainStep<B> {
             }
         }
         let t0 = Instant::now();
-        let traced = trace_sized(signature, self.last_trace_size, |xs| {
-            Ok(vec![(self.loss_fn)(xs)?])
-        })?;
-        self.last_trace_size = traced.graph.size();
+        let storage = self.latest.storage();
+        let traced = trace_into(signature, storage, |xs| Ok(vec![(self.loss_fn)(xs)?]))?;
+        let every = self.trace_mode == TraceMode::EveryCall;
+        if every {
+            // The common case: the same program as this signature's latest trace.
+            if let Some(p) = self.latest.get(signature, &traced) {
+                self.latest.recycle(traced);
+                self.rt.metrics().traced(t0.elapsed());
+                return Ok(p);
+            }
+        }
         let loss_ty = traced.graph.node(traced.graph.outputs()[0]).ty.clone();
         if loss_ty.shape.rank() != 0 || !loss_ty.dtype.is_float() {
             return Err(Error::Invalid(format!(
@@ -556,13 +562,20 @@ impl<B: Backend> TrainStep<B> {
         self.rt.metrics().traced(t0.elapsed());
         if let Some(&p) = self.by_fingerprint.get(&fp) {
             self.by_signature.insert(signature.to_vec(), p);
+            if every {
+                self.latest.insert(signature, traced, p);
+            }
             return Ok(p);
         }
+        let latest = every.then(|| traced.clone());
         let program = self.build(traced)?;
         self.programs.push(program);
         let p = self.programs.len() - 1;
         self.by_fingerprint.insert(fp, p);
         self.by_signature.insert(signature.to_vec(), p);
+        if let Some(traced) = latest {
+            self.latest.insert(signature, traced, p);
+        }
         Ok(p)
     }
 

@@ -133,6 +133,31 @@ fn trace_every_call_follows_a_changing_graph() {
     assert_eq!(s.cache_hits, 4, "{s:?}");
 }
 
+/// Trace every time where only a constant changes between calls (the same ops, types and
+/// operands): each call runs its own constant, never the plan of a structurally similar trace.
+#[test]
+fn trace_every_call_runs_each_calls_constant() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let scales = [1.0, 2.0, 1.0, 3.0, 3.0, 2.0];
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let mut f = compile(XlaBackend::new().unwrap(), move |xs: &[Tensor]| {
+        let scale = scales[c.fetch_add(1, Ordering::Relaxed)];
+        Ok(vec![xs[0].mul_scalar(scale)?.add(&xs[0])?])
+    })
+    .with_mode(TraceMode::EveryCall);
+    let x = Tensor::from_slice(&[3], &[1.0f32, -2.0, 0.25]).unwrap();
+    for (i, scale) in scales.iter().enumerate() {
+        let y = f.run(std::slice::from_ref(&x)).unwrap()[0]
+            .to_f64_vec()
+            .unwrap();
+        let want: Vec<f64> = [1.0, -2.0, 0.25].iter().map(|v| v * scale + v).collect();
+        assert_eq!(y, want, "call {i}, scale {scale}");
+    }
+    let s = f.stats();
+    assert_eq!((s.traces, s.compiles, s.executions), (6, 3, 6), "{s:?}");
+}
+
 /// `Tensor::cat` of 300 slices: more operands than fit in a byte (operand positions once were
 /// `u8` edge weights, and this graph failed to verify).
 fn cat_300(xs: &[Tensor]) -> kiln::Result<Vec<Tensor>> {

@@ -282,6 +282,39 @@ fn trace_every_step_retraces_but_compiles_once() -> kiln::Result<()> {
     Ok(())
 }
 
+/// Trace every step with a loss whose graph changes between steps in a constant only: each
+/// step computes its own loss (two programs, each prepared once).
+#[test]
+fn trace_every_step_follows_a_changing_constant() -> kiln::Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // Repeats (the latest trace again) and switches back (a program seen before).
+    const SCALES: [f64; 6] = [1.0, 3.0, 3.0, 1.0, 1.0, 3.0];
+    let store = ParamStore::new();
+    let w = store.root().param("w", &[3], Init::Const(0.5))?;
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let wl = w.clone();
+    let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
+        let scale = SCALES[c.fetch_add(1, Ordering::Relaxed)];
+        xs[0].mul(&wl)?.square()?.sum_all()?.mul_scalar(scale)
+    })?
+    .with_trace_mode(TraceMode::EveryCall)
+    .with_lr(0.0);
+    let x = Tensor::from_slice(&[3], &[1.0f32, -2.0, 4.0])?;
+    // sum((x * 0.5)^2) = 0.25 * (1 + 4 + 16)
+    let base = 0.25 * 21.0;
+    for (i, scale) in SCALES.iter().enumerate() {
+        let loss = step.step(std::slice::from_ref(&x))?;
+        let want = scale * base;
+        assert!((loss - want).abs() < 1e-5, "step {i}: {loss} vs {want}");
+    }
+    let s = step.stats();
+    assert_eq!(s.traces, 6, "{s:?}");
+    // Two programs of three executables each, sharing the optimizer's (the same graph).
+    assert_eq!((s.compiles, s.cache_hits), (5, 1), "{s:?}");
+    Ok(())
+}
+
 #[test]
 fn a_loss_without_parameters_is_an_error() -> kiln::Result<()> {
     let store = ParamStore::new();

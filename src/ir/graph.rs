@@ -103,6 +103,25 @@ impl Graph {
         }
     }
 
+    /// Removes every node, input and output, keeping the storage for a graph of the same
+    /// size.
+    pub(crate) fn clear(&mut self) {
+        self.g.clear();
+        self.inputs.clear();
+        self.outputs.clear();
+        self.aliases.clear();
+    }
+
+    /// How many nodes, edges and inputs the graph has room for without allocating.
+    pub(crate) fn capacity(&self) -> GraphSize {
+        let (nodes, edges) = self.g.capacity();
+        GraphSize {
+            nodes,
+            edges,
+            inputs: self.inputs.capacity(),
+        }
+    }
+
     /// How many nodes, edges and inputs the graph has.
     pub fn size(&self) -> GraphSize {
         GraphSize {
@@ -251,6 +270,37 @@ impl Graph {
     /// No nodes?
     pub fn is_empty(&self) -> bool {
         self.g.node_count() == 0
+    }
+
+    /// Is `other` the same graph built the same way: the same node ids holding the same ops,
+    /// types and operands, and the same inputs (kind, type, node; names aside), outputs and
+    /// aliases? Stricter than equal [`Graph::fingerprint`]s (which ignore node ids), and one
+    /// pass without sorting or hashing: what trace-every-time compares a new trace with.
+    pub fn same_structure(&self, other: &Graph) -> bool {
+        if self.g.node_count() != other.g.node_count()
+            || self.outputs != other.outputs
+            || self.aliases != other.aliases
+            || self.inputs.len() != other.inputs.len()
+        {
+            return false;
+        }
+        let inputs_match = self.inputs.iter().zip(&other.inputs).all(|(a, b)| {
+            a.node == b.node
+                && a.kind == b.kind
+                && a.updated_between_calls == b.updated_between_calls
+                && a.ty == b.ty
+        });
+        // A node's type follows from its op and its operands' types (every node is typed by
+        // `Op::infer` or copied from a typed node), so nodes compare without their types.
+        inputs_match
+            && self
+                .g
+                .node_indices()
+                .zip(other.g.node_indices())
+                .all(|(a, b)| {
+                    let (x, y) = (&self.g[a], &other.g[b]);
+                    a == b && x.operands == y.operands && x.op.same_as(&y.op)
+                })
     }
 
     /// The underlying petgraph graph (read-only), e.g. for petgraph's algorithms.
@@ -521,6 +571,87 @@ mod tests {
         let (again, _, _) = wide_concat_into(Graph::with_capacity(size));
         assert_eq!(again.size(), size);
         assert_eq!(again.fingerprint(), g.fingerprint());
+    }
+
+    /// `x * c + x` over `[2, 3]`, its input named `name`, of kind `kind`.
+    fn scaled(c: f64, name: &str, kind: InputKind) -> Graph {
+        use crate::ir::{BinaryOp, Literal};
+        let mut g = Graph::new();
+        let ty = TensorType::new(DType::F32, [2, 3]);
+        let x = g.add_input(kind, name, ty);
+        let c = g
+            .add(Op::Constant(Literal::scalar(DType::F32, c)), &[])
+            .unwrap();
+        let c = g
+            .add(
+                Op::Broadcast {
+                    shape: crate::ir::Shape::new(&[2, 3]),
+                    dims: vec![],
+                },
+                &[c],
+            )
+            .unwrap();
+        let y = g.add(Op::Binary(BinaryOp::Mul), &[x, c]).unwrap();
+        let z = g.add(Op::Binary(BinaryOp::Add), &[y, x]).unwrap();
+        g.set_outputs(vec![z]).unwrap();
+        g
+    }
+
+    /// Two graphs built the same way have the same structure whatever their inputs' names;
+    /// a different constant, input kind, output list, alias, update flag or node order does not.
+    #[test]
+    fn same_structure_compares_nodes_inputs_and_outputs() {
+        let g = scaled(2.0, "x", InputKind::Data);
+        assert!(g.same_structure(&scaled(2.0, "renamed", InputKind::Data)));
+        assert!(!g.same_structure(&scaled(3.0, "x", InputKind::Data)));
+        assert!(!g.same_structure(&scaled(2.0, "x", InputKind::Parameter)));
+        let mut two_outputs = scaled(2.0, "x", InputKind::Data);
+        let out = two_outputs.outputs()[0];
+        two_outputs.set_outputs(vec![out, out]).unwrap();
+        assert!(!g.same_structure(&two_outputs));
+        let mut aliased = scaled(2.0, "x", InputKind::Data);
+        aliased.add_alias(0, 0).unwrap();
+        assert!(!g.same_structure(&aliased));
+        let mut updated = scaled(2.0, "x", InputKind::Data);
+        updated.set_updated_between_calls(0, true).unwrap();
+        assert!(!g.same_structure(&updated));
+        // The same ops added in another order.
+        let b = {
+            let mut g = Graph::new();
+            let ty = TensorType::new(DType::F32, [1]);
+            let x = g.add_input(InputKind::Data, "x", ty.clone());
+            let e = g.add(Op::Unary(crate::ir::UnaryOp::Exp), &[x]).unwrap();
+            let n = g.add(Op::Unary(crate::ir::UnaryOp::Neg), &[x]).unwrap();
+            let y = g.add(Op::Concat { axis: 0 }, &[e, n]).unwrap();
+            g.set_outputs(vec![y]).unwrap();
+            g
+        };
+        let mut swapped = Graph::new();
+        let ty = TensorType::new(DType::F32, [1]);
+        let x = swapped.add_input(InputKind::Data, "x", ty);
+        let n = swapped
+            .add(Op::Unary(crate::ir::UnaryOp::Neg), &[x])
+            .unwrap();
+        let e = swapped
+            .add(Op::Unary(crate::ir::UnaryOp::Exp), &[x])
+            .unwrap();
+        let y = swapped.add(Op::Concat { axis: 0 }, &[e, n]).unwrap();
+        swapped.set_outputs(vec![y]).unwrap();
+        assert!(!swapped.same_structure(&b));
+        assert!(b.same_structure(&b.clone()));
+    }
+
+    /// A cleared graph is empty, keeps its storage, and builds the same graph again.
+    #[test]
+    fn a_cleared_graph_keeps_its_storage() {
+        let (mut g, _, _) = wide_concat();
+        let size = g.size();
+        g.clear();
+        assert!(g.is_empty() && g.inputs().is_empty() && g.outputs().is_empty());
+        let room = g.capacity();
+        assert!(room.nodes >= size.nodes && room.edges >= size.edges && room.inputs >= size.inputs);
+        let (again, _, _) = wide_concat_into(g);
+        assert!(again.same_structure(&wide_concat().0));
     }
 
     /// A transposed input keeps the graph well typed: users and outputs read a transpose of

@@ -143,6 +143,89 @@ pub struct Traced {
     pub state_updates: Vec<(Tensor, usize)>,
 }
 
+impl Traced {
+    /// Does `other` record the same program, built the same way: the same graph
+    /// ([`Graph::same_structure`]), reading the same arguments and variables, returning as
+    /// many outputs and assigning the same variables? Then whatever was prepared for one
+    /// serves the other.
+    pub fn same_program(&self, other: &Traced) -> bool {
+        fn same_var(a: &Tensor, b: &Tensor) -> bool {
+            matches!((a.variable(), b.variable()), (Some(x), Some(y)) if x.id == y.id)
+        }
+        self.num_outputs == other.num_outputs
+            && self.bindings.len() == other.bindings.len()
+            && self.state_updates.len() == other.state_updates.len()
+            && self
+                .bindings
+                .iter()
+                .zip(&other.bindings)
+                .all(|(a, b)| match (a, b) {
+                    (Binding::Data(i), Binding::Data(j)) => i == j,
+                    (Binding::Var(x), Binding::Var(y)) => same_var(x, y),
+                    (Binding::RngKey, Binding::RngKey) => true,
+                    _ => false,
+                })
+            && self
+                .state_updates
+                .iter()
+                .zip(&other.state_updates)
+                .all(|((x, i), (y, j))| i == j && same_var(x, y))
+            && self.graph.same_structure(&other.graph)
+    }
+}
+
+/// Trace every time: the latest trace of each input signature and what was prepared for it
+/// (a plan, a program's index). A function usually traces the same program call after call;
+/// recognising it by [`Traced::same_program`] costs one pass over the graph, where a
+/// fingerprint sorts, serialises and hashes it. The graph of a trace so recognised can be
+/// emptied and kept as the storage of the next one ([`LatestTraces::recycle`]), which then allocates no node or edge
+/// storage (allocating it took a quarter of the LinearModel's trace).
+pub(crate) struct LatestTraces<T> {
+    by_signature: HashMap<Vec<TensorType>, (Traced, T)>,
+    spare: Option<Graph>,
+    /// The size of the latest trace, which a trace without spare storage starts with room for.
+    last_size: GraphSize,
+}
+
+impl<T: Clone> LatestTraces<T> {
+    pub(crate) fn new() -> Self {
+        LatestTraces {
+            by_signature: HashMap::new(),
+            spare: None,
+            last_size: GraphSize::default(),
+        }
+    }
+
+    /// An empty graph to trace into: a recognised trace's storage, or one with room for the
+    /// latest trace's size.
+    pub(crate) fn storage(&mut self) -> Graph {
+        self.spare
+            .take()
+            .unwrap_or_else(|| Graph::with_capacity(self.last_size))
+    }
+
+    /// What was prepared for `signature`'s latest trace, if `traced` is the same program.
+    pub(crate) fn get(&mut self, signature: &[TensorType], traced: &Traced) -> Option<T> {
+        self.last_size = traced.graph.size();
+        let (latest, value) = self.by_signature.get(signature)?;
+        latest.same_program(traced).then(|| value.clone())
+    }
+
+    /// Keeps the storage of `traced` (a repeat, which [`LatestTraces::get`] recognised) for
+    /// the next trace.
+    pub(crate) fn recycle(&mut self, traced: Traced) {
+        let mut graph = traced.graph;
+        graph.clear();
+        self.spare = Some(graph);
+    }
+
+    /// Records `traced` as `signature`'s latest trace, prepared as `value`.
+    pub(crate) fn insert(&mut self, signature: &[TensorType], traced: Traced, value: T) {
+        self.by_signature
+            .insert(signature.to_vec(), (traced, value));
+    }
+}
+
 /// Traces `f` on symbolic inputs of the given types.
 ///
 /// `f` runs once. Every [`Tensor`] operation inside it is recorded instead of executed;
@@ -162,21 +245,28 @@ pub fn trace<F>(inputs: &[TensorType], f: F) -> Result<Traced>
 where
     F: FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
 {
-    trace_sized(inputs, GraphSize::default(), f)
+    trace_into(inputs, Graph::new(), f)
 }
 
-/// [`trace`] into a graph with room for `size` (the size of an earlier trace of the same
-/// function, which a repeated trace is likely to reach again).
-pub(crate) fn trace_sized<F>(inputs: &[TensorType], size: GraphSize, f: F) -> Result<Traced>
+/// [`trace`] into `graph`, an empty graph with room for what the trace is likely to reach (the
+/// size of an earlier trace of the same function, or its storage: see
+/// [`LatestTraces::storage`]).
+pub(crate) fn trace_into<F>(inputs: &[TensorType], graph: Graph, f: F) -> Result<Traced>
 where
     F: FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
 {
+    if !graph.is_empty() || !graph.inputs().is_empty() {
+        return Err(Error::Internal(
+            "a trace must start from an empty graph".into(),
+        ));
+    }
     let id = NEXT_TRACE.fetch_add(1, Ordering::Relaxed);
+    let num_inputs = graph.capacity().inputs;
     let mut ctx = TraceCtx {
         id,
-        graph: Graph::with_capacity(size),
-        bindings: Vec::with_capacity(size.inputs),
-        lifted: HashMap::with_capacity(size.inputs),
+        graph,
+        bindings: Vec::with_capacity(num_inputs),
+        lifted: HashMap::with_capacity(num_inputs),
         assigns: Vec::new(),
         rng_key: None,
         rng_draws: 0,
@@ -231,4 +321,79 @@ where
         num_outputs,
         state_updates,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::DType;
+    use crate::nn::{Init, ParamStore};
+
+    fn f32s(dims: &[usize]) -> TensorType {
+        TensorType::new(DType::F32, dims)
+    }
+
+    /// Traces of the same code are the same program; reading another variable, scaling by
+    /// another constant, returning more outputs or assigning a variable is another.
+    #[test]
+    fn same_program_compares_graph_bindings_and_updates() -> Result<()> {
+        let store = ParamStore::new();
+        let v = store.root().param("v", &[3], Init::Const(0.5))?;
+        let w = store.root().param("w", &[3], Init::Const(0.5))?;
+        let sig = [f32s(&[3])];
+        let add = |var: &Tensor| {
+            let var = var.clone();
+            trace(&sig, move |xs| Ok(vec![xs[0].add(&var)?]))
+        };
+        let base = add(&v)?;
+        assert!(base.same_program(&add(&v)?));
+        assert!(!base.same_program(&add(&w)?));
+        let scaled = |c: f64| trace(&sig, move |xs| Ok(vec![xs[0].mul_scalar(c)?]));
+        assert!(scaled(2.0)?.same_program(&scaled(2.0)?));
+        assert!(!scaled(2.0)?.same_program(&scaled(3.0)?));
+        let v2 = v.clone();
+        let twice = trace(&sig, move |xs| {
+            let y = xs[0].add(&v2)?;
+            Ok(vec![y.clone(), y])
+        })?;
+        assert!(!base.same_program(&twice));
+        let v3 = v.clone();
+        let assigning = trace(&sig, move |xs| {
+            let y = xs[0].add(&v3)?;
+            v3.assign(&y)?;
+            Ok(vec![y])
+        })?;
+        assert_eq!(assigning.state_updates.len(), 1);
+        assert!(!base.same_program(&assigning));
+        assert!(assigning.same_program(&assigning.clone()));
+        Ok(())
+    }
+
+    /// `LatestTraces` answers for the same program only, and a recognised trace's graph
+    /// becomes the (empty) storage of the next trace.
+    #[test]
+    fn latest_traces_recognise_repeats_and_recycle_storage() -> Result<()> {
+        let sig = [f32s(&[2, 3])];
+        let exp = |g: Graph| trace_into(&sig, g, |xs| Ok(vec![xs[0].exp()?.sum_all()?]));
+        let mut latest = LatestTraces::<u32>::new();
+        let first = exp(latest.storage())?;
+        let size = first.graph.size();
+        assert_eq!(latest.get(&sig, &first), None, "nothing recorded yet");
+        latest.insert(&sig, first, 7);
+        let repeat = exp(latest.storage())?;
+        assert_eq!(latest.get(&sig, &repeat), Some(7));
+        latest.recycle(repeat);
+        let storage = latest.storage();
+        assert!(storage.is_empty());
+        assert!(storage.capacity().nodes >= size.nodes);
+        let again = exp(storage)?;
+        assert_eq!(again.graph.size(), size);
+        let other = trace(&sig, |xs| Ok(vec![xs[0].sum_all()?]))?;
+        assert_eq!(latest.get(&sig, &other), None);
+        let other_sig = [f32s(&[4])];
+        let exp4 = trace(&other_sig, |xs| Ok(vec![xs[0].exp()?.sum_all()?]))?;
+        assert_eq!(latest.get(&other_sig, &exp4), None);
+        assert_eq!(latest.get(&sig, &again), Some(7));
+        Ok(())
+    }
 }

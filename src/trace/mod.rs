@@ -12,7 +12,7 @@ mod ops;
 mod rng;
 
 pub use context::{is_tracing, trace, Binding, Traced};
-pub(crate) use context::{trace_sized, var_input, with_ctx};
+pub(crate) use context::{trace_into, var_input, with_ctx, LatestTraces};
 
 use crate::backend::eager::{eval_op, kind_of};
 use crate::backend::HostTensor;
