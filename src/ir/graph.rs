@@ -272,10 +272,11 @@ impl Graph {
         self.g.node_count() == 0
     }
 
-    /// Is `other` the same graph built the same way: the same node ids holding the same ops,
-    /// types and operands, and the same inputs (kind, type, node; names aside), outputs and
-    /// aliases? Stricter than equal [`Graph::fingerprint`]s (which ignore node ids), and one
-    /// pass without sorting or hashing: what trace-every-time compares a new trace with.
+    /// Is `other` the same graph built the same way: the same node ids holding the same ops
+    /// and operands (hence the same types), and the same inputs (kind, type, node, update
+    /// flag; names aside), outputs and aliases? Stricter than equal [`Graph::fingerprint`]s
+    /// (which ignore node ids), and one pass without sorting or hashing: what
+    /// trace-every-time compares a new trace with.
     pub fn same_structure(&self, other: &Graph) -> bool {
         if self.g.node_count() != other.g.node_count()
             || self.outputs != other.outputs
