@@ -135,6 +135,15 @@ impl Tensor {
         }
     }
 
+    /// An eager tensor whose type the caller knows: `t` must have `ty`'s shape and the
+    /// libtorch kind of its dtype (saves asking libtorch for the sizes).
+    pub(crate) fn from_tch_with_type(t: tch::Tensor, ty: TensorType) -> Tensor {
+        Tensor {
+            ty,
+            repr: Repr::Eager { t, var: None },
+        }
+    }
+
     /// A tensor owned by a variable store: tracing lifts it to a graph input.
     pub(crate) fn new_var(t: tch::Tensor, dtype: DType, var: Arc<VarInfo>) -> Tensor {
         let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();

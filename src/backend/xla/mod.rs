@@ -1119,10 +1119,9 @@ impl Backend for XlaBackend {
         if b.ty.dtype == DType::U32 {
             return crate::Tensor::from_host(&self.to_host(b)?);
         }
-        let t = b
-            .buffer
-            .to_tch(crate::backend::eager::kind_of(b.ty.dtype))?;
-        Ok(crate::Tensor::from_tch_typed(t, b.ty.dtype))
+        let kind = crate::backend::eager::kind_of(b.ty.dtype);
+        let t = b.buffer.to_tch_shaped(kind, b.ty.shape.dims())?;
+        Ok(crate::Tensor::from_tch_with_type(t, b.ty.clone()))
     }
 
     fn buffer_type(&self, b: &XlaBuffer) -> Result<TensorType> {

@@ -380,10 +380,31 @@ impl Buffer {
     /// [`Error::Invalid`] if `kind`'s element size differs from the buffer's; as
     /// [`Buffer::to_host`].
     pub fn to_tch(&self, kind: tch::Kind) -> Result<tch::Tensor> {
+        self.to_tch_of(kind, &self.dims()?)
+    }
+
+    /// [`Buffer::to_tch`] of a buffer the caller expects to have `shape`: an error if its
+    /// dims differ, so the caller may type the tensor without asking libtorch for its sizes.
+    pub(crate) fn to_tch_shaped(&self, kind: tch::Kind, shape: &[usize]) -> Result<tch::Tensor> {
         let dims = self.dims()?;
+        if dims.len() != shape.len() || dims.iter().zip(shape).any(|(&d, &s)| d as usize != s) {
+            return Err(Error::Internal(format!(
+                "to_tch: a buffer of dims {dims:?} was expected to have shape {shape:?}"
+            )));
+        }
+        self.to_tch_of(kind, &dims)
+    }
+
+    /// [`Buffer::to_tch`] of a buffer whose dims are `dims`.
+    fn to_tch_of(&self, kind: tch::Kind, dims: &[i64]) -> Result<tch::Tensor> {
         let size = self.host_size()?;
-        let t = tch::Tensor::f_empty(dims.as_slice(), (kind, tch::Device::Cpu))?;
-        if t.numel() * kind.elt_size_in_bytes() != size {
+        let t = tch::Tensor::f_empty(dims, (kind, tch::Device::Cpu))?;
+        // `empty` of `dims` holds their product of elements (counted here: tch's `numel`
+        // fetches the sizes into a new `Vec` through two FFI calls).
+        let numel = dims
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
+        if numel.and_then(|n| n.checked_mul(kind.elt_size_in_bytes())) != Some(size) {
             return Err(Error::Invalid(format!(
                 "to_tch: a {kind:?} tensor of dims {dims:?} does not hold the buffer's {size} bytes"
             )));

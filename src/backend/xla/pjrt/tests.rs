@@ -427,6 +427,15 @@ fn to_tch_reads_into_a_new_tensor() {
     assert_eq!(e.to_tch(tch::Kind::Float).unwrap().size(), vec![3, 0]);
     let err = b.to_tch(tch::Kind::Double).unwrap_err();
     assert!(matches!(err, Error::Invalid(_)), "{err:?}");
+    // The shaped variant: the same tensor for the buffer's own shape, an error for another
+    // shape of as many elements, or of another rank.
+    let t = b.to_tch_shaped(tch::Kind::Float, &[200, 200]).unwrap();
+    assert_eq!(t.size(), vec![200, 200]);
+    assert_eq!(Vec::<f32>::try_from(t.reshape([-1])).unwrap(), v);
+    for shape in [&[400, 100][..], &[40_000], &[200, 200, 1]] {
+        let err = b.to_tch_shaped(tch::Kind::Float, shape).unwrap_err();
+        assert!(err.to_string().contains("expected to have shape"), "{err}");
+    }
 }
 
 #[test]
