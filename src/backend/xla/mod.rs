@@ -271,10 +271,9 @@ static NEXT_CLIENT_ID: AtomicU64 = AtomicU64::new(1);
 pub struct XlaBackend {
     inner: Arc<Inner>,
     options: Arc<XlaOptions>,
-    option_bytes: Arc<Vec<u8>>,
-    /// `options.flat_reduction_options()` serialized, for graphs that compile without tree
-    /// reductions on the CPU plugin ([`XlaBackend::options_bytes_for`]).
-    flat_option_bytes: Arc<Vec<u8>>,
+    /// `options` serialized, as given and for graphs that compile without tree reductions on
+    /// the CPU plugin ([`XlaBackend::options_bytes_for`]).
+    option_bytes: reductions::CompileOptionBytes,
 }
 
 struct Inner {
@@ -356,13 +355,11 @@ impl XlaBackend {
                 graph_keys: Mutex::new(HashMap::new()),
                 rewrites: Mutex::new(HashMap::new()),
             }),
-            options: Arc::new(XlaOptions::default()),
-            option_bytes: Arc::new(XlaOptions::default().compile_options_bytes()),
-            flat_option_bytes: Arc::new(
-                XlaOptions::default()
-                    .flat_reduction_options()
-                    .compile_options_bytes(),
+            option_bytes: reductions::CompileOptionBytes::new(
+                &XlaOptions::default(),
+                pjrt::compile_options_bytes_with,
             ),
+            options: Arc::new(XlaOptions::default()),
         })
     }
 
@@ -370,8 +367,10 @@ impl XlaBackend {
     pub fn with_options(&self, options: XlaOptions) -> Self {
         XlaBackend {
             inner: self.inner.clone(),
-            option_bytes: Arc::new(options.compile_options_bytes()),
-            flat_option_bytes: Arc::new(options.flat_reduction_options().compile_options_bytes()),
+            option_bytes: reductions::CompileOptionBytes::new(
+                &options,
+                pjrt::compile_options_bytes_with,
+            ),
             options: Arc::new(options),
         }
     }
@@ -494,7 +493,7 @@ impl XlaBackend {
         let settings = &settings;
         // Only measured choices need the context (keys); the rule runs on every traced call.
         let context = if settings.enabled && caps.tunable() {
-            autotune::context(&self.plugin_id(), &self.option_bytes)
+            autotune::context(&self.plugin_id(), self.option_bytes.usual())
         } else {
             String::new()
         };
@@ -562,7 +561,7 @@ impl XlaBackend {
         }
         let mut h = blake3::Hasher::new();
         h.update(b"kiln-autotune-graph-v1\0");
-        h.update(autotune::context(&self.plugin_id(), &self.option_bytes).as_bytes());
+        h.update(autotune::context(&self.plugin_id(), self.option_bytes.usual()).as_bytes());
         h.update(&fp.0);
         for (v, c) in &distinct {
             h.update(v.name().as_bytes());
@@ -878,18 +877,14 @@ impl XlaBackend {
     /// Compiles StableHLO text directly (for tools and tests; [`Backend::compile`] lowers a
     /// graph first).
     pub fn compile_mlir(&self, mlir: &str) -> Result<pjrt::LoadedExecutable> {
-        self.inner.client.compile(mlir, &self.option_bytes)
+        self.inner.client.compile(mlir, self.option_bytes.usual())
     }
 
     /// The serialized compile options for `graph`: this backend's options, with XLA's tree
     /// reductions disabled on the CPU plugin where [`reductions::flat_reductions_pay`] says
     /// so (see the `reductions` module for why and what it measured).
     pub fn options_bytes_for(&self, graph: &Graph) -> &[u8] {
-        if reductions::compiles_flat(&self.inner.platform, graph) {
-            &self.flat_option_bytes
-        } else {
-            &self.option_bytes
-        }
+        self.option_bytes.for_graph(&self.inner.platform, graph)
     }
 
     /// Serializes a compiled executable (for on-disk caches).
@@ -1166,7 +1161,7 @@ impl Backend for XlaBackend {
             self.inner.platform_version,
             self.inner.api_version.0,
             self.inner.api_version.1,
-            self.option_bytes,
+            self.option_bytes.usual(),
             self.options.conv.key(),
             self.effective_ffi().key(),
             reductions::FLAT_REDUCTION_MAX,

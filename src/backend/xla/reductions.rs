@@ -20,7 +20,10 @@
 //! without it; one sum over 2^20 elements has an error of 6.8e-8 with the tree and 3.0e-6
 //! without.
 
+use super::pjrt::OptionValue;
+use super::XlaOptions;
 use crate::ir::{Graph, Op};
+use std::sync::Arc;
 
 /// The name of XLA's tree-reduction pass (for `xla_disable_hlo_passes`).
 pub const TREE_REDUCTION_PASS: &str = "tree_reduction_rewriter";
@@ -61,6 +64,43 @@ pub fn flat_reductions_pay(g: &Graph) -> bool {
 /// (whose compiler the measurements are of) where [`flat_reductions_pay`].
 pub fn compiles_flat(platform: &str, g: &Graph) -> bool {
     platform == "cpu" && flat_reductions_pay(g)
+}
+
+/// A backend's serialized compile options, as given and with [`TREE_REDUCTION_PASS`]
+/// disabled ([`XlaOptions::flat_reduction_options`]): [`CompileOptionBytes::for_graph`] picks
+/// the ones a graph compiles with. Serialized once, when the backend is made.
+#[derive(Clone)]
+pub(crate) struct CompileOptionBytes {
+    usual: Arc<Vec<u8>>,
+    flat: Arc<Vec<u8>>,
+}
+
+impl CompileOptionBytes {
+    /// `options`' debug options serialized by `serialize` (which adds what else the backend
+    /// compiles with, e.g. its replicas), both ways.
+    pub(crate) fn new(
+        options: &XlaOptions,
+        serialize: impl Fn(&[(String, OptionValue)]) -> Vec<u8>,
+    ) -> Self {
+        CompileOptionBytes {
+            usual: Arc::new(serialize(&options.debug_options)),
+            flat: Arc::new(serialize(&options.flat_reduction_options().debug_options)),
+        }
+    }
+
+    /// The options as given.
+    pub(crate) fn usual(&self) -> &[u8] {
+        &self.usual
+    }
+
+    /// The options `g` compiles with on a plugin of `platform` (see [`compiles_flat`]).
+    pub(crate) fn for_graph(&self, platform: &str, g: &Graph) -> &[u8] {
+        if compiles_flat(platform, g) {
+            &self.flat
+        } else {
+            &self.usual
+        }
+    }
 }
 
 #[cfg(test)]

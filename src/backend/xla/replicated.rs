@@ -12,7 +12,6 @@ use super::{lower, pjrt, XlaBackend, XlaBuffer, XlaExecutable};
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::ir::{Graph, TensorType};
-use std::sync::Arc;
 
 /// The XLA backend over the first N addressable devices of its PJRT client, running every
 /// program as N data-parallel replicas (replica `r` on addressable device `r`, by an explicit
@@ -33,9 +32,8 @@ use std::sync::Arc;
 pub struct Replicated {
     base: XlaBackend,
     replicas: usize,
-    option_bytes: Arc<Vec<u8>>,
-    /// `option_bytes` with XLA's tree reductions disabled (see [`XlaBackend::options_bytes_for`]).
-    flat_option_bytes: Arc<Vec<u8>>,
+    /// The base's options serialized for the replicas (see [`XlaBackend::options_bytes_for`]).
+    option_bytes: super::reductions::CompileOptionBytes,
 }
 
 /// A value on every replica's device: `parts()[r]` lives on replica `r`'s device. All parts
@@ -73,16 +71,9 @@ impl XlaBackend {
         let ids = self.client().addressable_device_ids()?;
         let devices = ids.as_ref().map(|ids| &ids[..replicas]);
         Ok(Replicated {
-            option_bytes: Arc::new(pjrt::compile_options_bytes_for(
-                replicas,
-                devices,
-                &self.options().debug_options,
-            )),
-            flat_option_bytes: Arc::new(pjrt::compile_options_bytes_for(
-                replicas,
-                devices,
-                &self.options().flat_reduction_options().debug_options,
-            )),
+            option_bytes: super::reductions::CompileOptionBytes::new(self.options(), |o| {
+                pjrt::compile_options_bytes_for(replicas, devices, o)
+            }),
             base: self.clone(),
             replicas,
         })
@@ -121,11 +112,7 @@ impl Backend for Replicated {
     fn compile(&self, graph: &Graph) -> Result<XlaExecutable> {
         graph.verify()?;
         let mlir = self.lower(graph)?;
-        let bytes = if super::reductions::compiles_flat(self.base.platform(), graph) {
-            &self.flat_option_bytes
-        } else {
-            &self.option_bytes
-        };
+        let bytes = self.option_bytes.for_graph(self.base.platform(), graph);
         let exe = self.base.client().compile(&mlir, bytes)?;
         Ok(XlaExecutable::new(exe, graph, mlir))
     }
