@@ -633,8 +633,11 @@ impl<B: Backend> FnState<B> {
             .collect::<Result<_>>()?;
         let p = self.plan(&signature)?;
         let mut data = Vec::with_capacity(inputs.len() + 1);
+        // `run` waits for its results and drops `data` before returning, so its inputs are
+        // lent (maybe without a copy); `run_on_device` returns with the execution maybe
+        // still reading them, so it copies.
         for (i, t) in inputs.iter().enumerate() {
-            data.push(self.rt.upload_batch(i, t)?);
+            data.push(self.rt.upload_batch(i, t, !on_device)?);
         }
         if p.uses_rng {
             let draw = self.draws.fetch_add(1, Ordering::Relaxed);

@@ -446,7 +446,7 @@ impl<B: Backend> TrainStep<B> {
         let data: Vec<B::Buffer> = inputs
             .iter()
             .enumerate()
-            .map(|(i, t)| self.rt.upload_batch(i, t))
+            .map(|(i, t)| self.rt.upload_batch(i, t, false))
             .collect::<Result<_>>()?;
         // The previous step's values are no longer needed: free them before this step runs.
         self.last = None;

@@ -345,3 +345,26 @@ fn fingerprint_golden_value() {
         "06aac19be35ac98aeeb0f876d8fbf18fddc1e9cd7342bb18a976c062b9fef925"
     );
 }
+
+/// `run` lends its inputs to the device (the XLA CPU plugin reads the tensor's memory in
+/// place): a tensor changed in place (through libtorch) between calls gives each call its own values, and an
+/// earlier result does not change with it.
+#[test]
+fn inputs_changed_in_place_between_calls() {
+    let mut f = compile(XlaBackend::new().unwrap(), |xs: &[Tensor]| {
+        Ok(vec![xs[0].mul_scalar(2.0)?.add(&xs[1])?])
+    });
+    let x = Tensor::from_slice(&[3], &[1.0f32, -2.0, 0.25]).unwrap();
+    let b = Tensor::from_slice(&[3], &[0.5f32, 0.5, 0.5]).unwrap();
+    let y1 = f.run(&[x.clone(), b.clone()]).unwrap().remove(0);
+    assert_eq!(y1.to_f64_vec().unwrap(), vec![2.5, -3.5, 1.0]);
+    x.as_tch()
+        .unwrap()
+        .shallow_clone()
+        .copy_(&tch::Tensor::from_slice(&[4.0f32, 5.0, 6.0]));
+    let y2 = f.run(&[x.clone(), b]).unwrap().remove(0);
+    assert_eq!(y2.to_f64_vec().unwrap(), vec![8.5, 10.5, 12.5]);
+    assert_eq!(y1.to_f64_vec().unwrap(), vec![2.5, -3.5, 1.0]);
+    assert_eq!(x.to_f64_vec().unwrap(), vec![4.0, 5.0, 6.0]);
+    assert_eq!(f.stats().compiles, 1);
+}

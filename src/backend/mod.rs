@@ -87,6 +87,16 @@ pub trait Backend: Send + Sync + 'static {
         self.to_device(&t.to_host()?)
     }
 
+    /// An eager tensor's values on the device for one synchronous use: the caller drops the
+    /// buffer before the tensor can change (kiln lends the inputs of
+    /// [`CompiledFn::run`](crate::CompiledFn::run) this way: the call reads them, waits for
+    /// its results and drops them). A backend may use the tensor's memory as the buffer's
+    /// storage instead of copying it, holding a handle on the tensor while the buffer lives;
+    /// the default copies ([`Backend::tensor_to_device`]).
+    fn lend_to_device(&self, t: &crate::Tensor) -> Result<Self::Buffer> {
+        self.tensor_to_device(t)
+    }
+
     /// Copies a buffer to the host (waits for it to be computed).
     fn to_host(&self, b: &Self::Buffer) -> Result<HostTensor>;
 

@@ -123,6 +123,14 @@ impl<B: Backend> Runtime<B> {
         Ok(b)
     }
 
+    /// An eager tensor's values on the device for one synchronous use, the buffer dropped
+    /// before the tensor can change ([`Backend::lend_to_device`]: maybe without a copy).
+    pub fn lend_tensor(&self, t: &Tensor) -> Result<B::Buffer> {
+        let b = self.backend.lend_to_device(t)?;
+        self.count_upload(t.ty().size_in_bytes());
+        Ok(b)
+    }
+
     /// Counts an upload of `bytes` to every replica's device (one transfer each).
     fn count_upload(&self, bytes: usize) {
         for _ in 0..self.backend.replicas() {

@@ -38,9 +38,14 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// Uploads batch input `index`: whole on one replica, else split along its first dimension
-    /// into one shard per replica (replica `r` gets rows `r·B/N .. (r+1)·B/N`).
-    pub(crate) fn upload_batch(&self, index: usize, t: &Tensor) -> Result<B::Buffer> {
+    /// into one shard per replica (replica `r` gets rows `r·B/N .. (r+1)·B/N`). With `lend`,
+    /// the buffer is for one synchronous use ([`Runtime::lend_tensor`] on one replica; shards
+    /// are copies anyway).
+    pub(crate) fn upload_batch(&self, index: usize, t: &Tensor, lend: bool) -> Result<B::Buffer> {
         let n = self.backend().replicas();
+        if n == 1 && lend {
+            return self.lend_tensor(t);
+        }
         if n == 1 {
             return self.upload_tensor(t);
         }

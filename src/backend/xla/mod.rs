@@ -299,6 +299,32 @@ struct Inner {
 
 impl XlaBackend {
     /// Copies `t` to addressable device `device` of this backend's client.
+    /// [`Backend::tensor_to_device`], or with `lend` [`Backend::lend_to_device`].
+    fn upload_tensor(&self, t: &crate::Tensor, lend: bool) -> Result<XlaBuffer> {
+        let ty = t.ty();
+        if ty.dtype != DType::U32 {
+            let tt = t.as_tch()?;
+            if tt.device() == tch::Device::Cpu
+                && tt.kind() == crate::backend::eager::kind_of(ty.dtype)
+                && tt.is_contiguous()
+            {
+                let dims = ty.shape.to_i64();
+                let client = &self.inner.client;
+                let et = element_type(ty.dtype);
+                let buffer = if lend {
+                    client.lend_tch(tt, et, &dims, 0)?
+                } else {
+                    client.buffer_from_tch(tt, et, &dims, 0)?
+                };
+                return Ok(XlaBuffer {
+                    buffer,
+                    ty: ty.clone(),
+                });
+            }
+        }
+        self.to_device(&t.to_host()?)
+    }
+
     pub(crate) fn upload_to(&self, t: &HostTensor, device: usize) -> Result<XlaBuffer> {
         let ty = t.ty().clone();
         let dims: Vec<i64> = ty.shape.to_i64();
@@ -1081,25 +1107,14 @@ impl Backend for XlaBackend {
     /// type ([`pjrt::Client::buffer_from_tch`]): no host copy first. `u32` values (held as
     /// `i64` by eager tensors) and other tensors go through [`HostTensor`].
     fn tensor_to_device(&self, t: &crate::Tensor) -> Result<XlaBuffer> {
-        let ty = t.ty();
-        if ty.dtype != DType::U32 {
-            let tt = t.as_tch()?;
-            if tt.device() == tch::Device::Cpu
-                && tt.kind() == crate::backend::eager::kind_of(ty.dtype)
-                && tt.is_contiguous()
-            {
-                let dims = ty.shape.to_i64();
-                let buffer =
-                    self.inner
-                        .client
-                        .buffer_from_tch(tt, element_type(ty.dtype), &dims, 0)?;
-                return Ok(XlaBuffer {
-                    buffer,
-                    ty: ty.clone(),
-                });
-            }
-        }
-        self.to_device(&t.to_host()?)
+        self.upload_tensor(t, false)
+    }
+
+    /// The tensor's memory as the buffer's storage where the plugin allows it
+    /// ([`pjrt::Client::lend_tch`]; the CPU plugin does), else as
+    /// [`Backend::tensor_to_device`].
+    fn lend_to_device(&self, t: &crate::Tensor) -> Result<XlaBuffer> {
+        self.upload_tensor(t, true)
     }
 
     fn to_host(&self, b: &XlaBuffer) -> Result<HostTensor> {

@@ -460,34 +460,58 @@ impl<'a> Event<'a> {
         self.raw
     }
 
+    /// The event, now owned by the caller (who must destroy it).
+    pub(crate) fn into_raw(self) -> NonNull<sys::PJRT_Event> {
+        let raw = self.raw;
+        std::mem::forget(self);
+        raw
+    }
+
     /// Blocks until the event is ready; an error it carries is reported as a failure of
     /// `call`, the operation the event belongs to.
     ///
     /// Once kiln's FFI kernels are registered, the wait first serves the kernel jobs XLA's
     /// worker threads hand over (see [`handoff`](super::handoff)) until the event is ready.
     pub(crate) fn wait(self, call: &'static str) -> Result<()> {
-        if handoff::enabled() {
-            self.serve_until_ready();
-        }
-        let mut args = sys::PJRT_Event_Await_Args::new();
-        args.event = self.raw.as_ptr();
         // SAFETY: `self.raw` is a live event owned by `self` (destroyed only in Drop).
-        let err = unsafe { (self.api.fns.PJRT_Event_Await)(&mut args) };
-        self.api.check(call, err)
+        unsafe { self.api.await_event(self.raw, call) }
     }
 }
 
-impl Event<'_> {
-    /// Runs handed-over kernel jobs on this thread until the event is ready. Returns at once
+impl ApiInner {
+    /// [`Event::wait`] on an event owned elsewhere.
+    ///
+    /// # Safety
+    /// `event` must be a live event of this plugin, not destroyed during the call.
+    pub(crate) unsafe fn await_event(
+        &self,
+        event: NonNull<sys::PJRT_Event>,
+        call: &'static str,
+    ) -> Result<()> {
+        if handoff::enabled() {
+            // SAFETY: the caller's guarantee.
+            unsafe { self.serve_until_ready(event) };
+        }
+        let mut args = sys::PJRT_Event_Await_Args::new();
+        args.event = event.as_ptr();
+        // SAFETY: `event` is live (the caller's guarantee).
+        let err = unsafe { (self.fns.PJRT_Event_Await)(&mut args) };
+        self.check(call, err)
+    }
+
+    /// Runs handed-over kernel jobs on this thread until `event` is ready. Returns at once
     /// if it is ready already, or if the plugin cannot report readiness by callback (the
     /// handlers then run their kernels themselves).
-    fn serve_until_ready(&self) {
-        let fns = &self.api.fns;
+    ///
+    /// # Safety
+    /// `event` must be a live event of this plugin, not destroyed during the call.
+    unsafe fn serve_until_ready(&self, event: NonNull<sys::PJRT_Event>) {
+        let fns = &self.fns;
         let Some(on_ready) = fns.PJRT_Event_OnReady else {
             return;
         };
-        // SAFETY: `self.raw` is a live event owned by `self`.
-        if unsafe { self.api.event_is_ready(self.raw) } != Some(false) {
+        // SAFETY: `event` is live (the caller's guarantee).
+        if unsafe { self.event_is_ready(event) } != Some(false) {
             return;
         }
         let flag = Arc::new(ReadyFlag {
@@ -496,14 +520,14 @@ impl Event<'_> {
         });
         let user_arg = Arc::into_raw(flag.clone()).cast_mut().cast::<c_void>();
         let mut args = sys::PJRT_Event_OnReady_Args::new();
-        args.event = self.raw.as_ptr();
+        args.event = event.as_ptr();
         args.callback = Some(on_ready_callback);
         args.user_arg = user_arg;
         // SAFETY: live event; the callback is a `'static` function; `user_arg` is one
         // reference of `flag`, released by the callback (or below if registration fails).
         let err = unsafe { on_ready(&mut args) };
         if !err.is_null() {
-            self.api.ignore_error("PJRT_Event_OnReady", err);
+            self.ignore_error("PJRT_Event_OnReady", err);
             // SAFETY: the callback was not registered, so this reference was not handed over.
             drop(unsafe { Arc::from_raw(user_arg.cast::<ReadyFlag>()) });
             return;
@@ -518,7 +542,7 @@ struct ReadyFlag {
     destroy_error: sys::PJRT_Error_Destroy,
 }
 
-/// `PJRT_Event_OnReadyCallback` of [`Event::serve_until_ready`]: frees the event's error (the
+/// `PJRT_Event_OnReadyCallback` of [`ApiInner::serve_until_ready`]: frees the event's error (the
 /// await that follows reports it), marks the flag and wakes the serving threads.
 unsafe extern "C" fn on_ready_callback(error: *mut sys::PJRT_Error, user_arg: *mut c_void) {
     // SAFETY: `user_arg` is the `Arc<ReadyFlag>` reference handed over at registration; the

@@ -155,7 +155,47 @@ pub struct Buffer {
     /// The address this buffer registered with the packed-weight cache (0: none); forgotten
     /// when the buffer is donated or destroyed ([`Buffer::mark_weight_source`]).
     weight_address: AtomicUsize,
+    /// The host tensor whose memory this buffer's storage is, for a buffer lent that memory
+    /// ([`Client::lend_tch`](super::Client::lend_tch)); released once the plugin lets go.
+    lease: Option<HostLease>,
 }
+
+/// A libtorch tensor whose memory a buffer uses as its storage (a zero-copy upload), with
+/// the plugin's `done_with_host_buffer` event, which completes once the buffer's storage is
+/// released. Holding a handle on the tensor keeps the memory allocated until then.
+pub(crate) struct HostLease {
+    done: NonNull<sys::PJRT_Event>,
+    tensor: tch::Tensor,
+}
+
+impl HostLease {
+    /// Takes ownership of `done` (the event of the upload that made a buffer of `tensor`'s
+    /// memory).
+    pub(crate) fn new(done: NonNull<sys::PJRT_Event>, tensor: tch::Tensor) -> HostLease {
+        HostLease { done, tensor }
+    }
+
+    /// Waits until the plugin has let go of the memory, then drops the event and the tensor.
+    /// The buffer must be destroyed first: the event completes only then.
+    pub(crate) fn release(self, client: &ClientInner) {
+        let api = client.api();
+        // SAFETY: `done` is a live event owned by the lease, awaited and destroyed once, here.
+        unsafe {
+            let waited = api.await_event(self.done, "done_with_host_buffer");
+            if let Err(e) = waited {
+                if cfg!(debug_assertions) {
+                    eprintln!("kiln: ignoring error in cleanup: {e}");
+                }
+            }
+            api.destroy_event(self.done);
+        }
+        drop(self.tensor);
+    }
+}
+
+// SAFETY: a `PJRT_Event` may be awaited and destroyed from any thread, and a `tch::Tensor`
+// handle may be dropped from any thread (libtorch's reference counts are atomic).
+unsafe impl Send for HostLease {}
 
 // SAFETY: a `PJRT_Buffer` is not tied to a thread, and `xla::PjRtBuffer` (which the C API
 // wraps) is thread-safe: queries, transfers and deletion may be issued from any thread.
@@ -173,7 +213,19 @@ impl Buffer {
             external_refs: Mutex::new(()),
             last_use: Mutex::new(None),
             weight_address: AtomicUsize::new(0),
+            lease: None,
         }
+    }
+
+    /// Takes ownership of a buffer created by `client` whose storage is `lease`'s memory.
+    pub(crate) fn leased(
+        client: &Arc<ClientInner>,
+        raw: NonNull<sys::PJRT_Buffer>,
+        lease: HostLease,
+    ) -> Buffer {
+        let mut b = Buffer::from_raw(client, raw);
+        b.lease = Some(lease);
+        b
     }
 
     /// Registers this buffer's address with the packed-weight cache (`kernels::weights`),
@@ -520,8 +572,9 @@ impl Buffer {
 ///    `external_reference_blocks_donation`). A donation that came first makes the buffer
 ///    deleted, and taking the reference then fails. The `PJRT_Buffer` itself cannot be
 ///    destroyed during the read: that needs the `Buffer` by value, and `to_host` borrows
-///    it. Kiln uploads with `kImmutableUntilTransferCompletes`, so no host array of the
-///    caller aliases a buffer's storage.
+///    it. A buffer's storage is the plugin's own, except for a lent buffer
+///    (`Client::lend_tch`), whose storage is a libtorch tensor's memory that the lease keeps
+///    allocated and the lender keeps unchanged while the buffer lives.
 /// 5. *Taking and dropping the reference is itself race-free.* The C wrapper keeps external
 ///    references in an unsynchronized vector in the `PJRT_Buffer`; kiln serializes both
 ///    calls with the `Buffer`'s own lock (`Buffer::external_refs`).
@@ -705,6 +758,7 @@ impl Drop for Buffer {
             client: self.client.clone(),
             raw: self.raw,
             weight_address: *self.weight_address.get_mut(),
+            lease: self.lease.take(),
         };
         // Destroying a buffer that a running execution still uses blocks until that
         // execution is done, and a thread blocked in the plugin cannot run the kernel jobs
@@ -712,12 +766,16 @@ impl Drop for Buffer {
         // would then make its kernels run on the workers. With kernels registered, such
         // buffers are destroyed on a thread of their own instead (the others right here: a
         // hand-over to that thread costs more than the destroy).
-        let in_use = self
-            .last_use
-            .get_mut()
-            .take()
-            .is_some_and(|done| !done.is_ready());
-        if in_use && handoff::enabled() {
+        let last_use = self.last_use.get_mut().take();
+        let in_use = last_use.as_ref().is_some_and(|done| !done.is_ready());
+        if in_use && dying.lease.is_some() {
+            // A lent buffer's memory is its caller's tensor, which may change once the buffer
+            // is dropped: wait here for the executions reading it (serving handed-over
+            // kernels meanwhile), then destroy it here.
+            if let Some(done) = last_use {
+                done.wait();
+            }
+        } else if in_use && handoff::enabled() {
             if let Some(tx) = RELEASER.get_or_init(spawn_releaser) {
                 // A failed send hands the buffer back, and dropping it destroys it here.
                 let _ = tx.send(dying);
@@ -753,6 +811,17 @@ impl Completion {
         // SAFETY: `self.raw` is a live event owned by `self`.
         unsafe { self.client.api().event_is_ready(self.raw) }.unwrap_or(true)
     }
+
+    /// Blocks until the execution is done (an error it ended with is the execution's
+    /// outputs' to report, not this wait's).
+    fn wait(&self) {
+        // SAFETY: `self.raw` is a live event owned by `self`, not destroyed during the wait.
+        let _ = unsafe {
+            self.client
+                .api()
+                .await_event(self.raw, "PJRT_LoadedExecutable_Execute")
+        };
+    }
 }
 
 impl Drop for Completion {
@@ -769,6 +838,8 @@ struct Dying {
     /// Its registration with the packed-weight cache (0: none), forgotten just before it is
     /// destroyed.
     weight_address: usize,
+    /// The host memory the buffer was lent, released after the buffer is destroyed.
+    lease: Option<HostLease>,
 }
 
 // SAFETY: as for `Buffer`: a `PJRT_Buffer` may be destroyed from any thread.
@@ -789,6 +860,9 @@ impl Drop for Dying {
         // it exactly once, here; `self.client` keeps its client alive until after this call.
         let err = unsafe { (api.fns.PJRT_Buffer_Destroy)(&mut args) };
         api.ignore_error("PJRT_Buffer_Destroy", err);
+        if let Some(lease) = self.lease.take() {
+            lease.release(&self.client);
+        }
     }
 }
 

@@ -2,11 +2,11 @@
 
 use std::ffi::c_char;
 use std::fmt;
-use std::ptr::NonNull;
+use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
 use super::api::{copy_string, Api, ApiInner, Event};
-use super::buffer::{Buffer, DirectRead, ElementType};
+use super::buffer::{Buffer, DirectRead, ElementType, HostLease};
 use super::executable::LoadedExecutable;
 use super::sys::{self, Args};
 use crate::error::{Error, Result};
@@ -340,16 +340,49 @@ impl Client {
         dims: &[i64],
         device: usize,
     ) -> Result<Buffer> {
+        let Upload { raw, done, status } = self.upload_host_buffer(
+            "buffer_from_host",
+            data,
+            ty,
+            dims,
+            device,
+            sys::PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes,
+        )?;
+        let buffer = raw.map(|raw| Buffer::from_raw(&self.inner, raw));
+        // Even on error, wait until the plugin has let go of `data` before returning.
+        let waited = match done {
+            Some(done) => done.wait("PJRT_Client_BufferFromHostBuffer"),
+            None => Ok(()),
+        };
+        status?;
+        waited?;
+        buffer.ok_or_else(no_buffer)
+    }
+
+    /// `PJRT_Client_BufferFromHostBuffer` of `data` with `semantics`, after checking `data`'s
+    /// size against `ty` and `dims`.
+    ///
+    /// The caller must keep `data`'s memory allocated and unchanged for as long as
+    /// `semantics` says (until `done` completes for both semantics kiln uses).
+    fn upload_host_buffer(
+        &self,
+        caller: &str,
+        data: &[u8],
+        ty: ElementType,
+        dims: &[i64],
+        device: usize,
+        semantics: sys::PJRT_HostBufferSemantics,
+    ) -> Result<Upload<'_>> {
         let expected = host_byte_size(ty, dims)?;
         if data.len() != expected {
             return Err(Error::Invalid(format!(
-                "buffer_from_host: {} bytes given for {ty}{dims:?}, which needs {expected}",
+                "{caller}: {} bytes given for {ty}{dims:?}, which needs {expected}",
                 data.len()
             )));
         }
         let device_ptr = *self.inner.devices.get(device).ok_or_else(|| {
             Error::Invalid(format!(
-                "buffer_from_host: device {device} out of range (the client has {} addressable devices)",
+                "{caller}: device {device} out of range (the client has {} addressable devices)",
                 self.inner.devices.len()
             ))
         })?;
@@ -361,27 +394,18 @@ impl Client {
         args.type_ = ty.to_pjrt();
         args.dims = dims.as_ptr();
         args.num_dims = dims.len();
-        args.host_buffer_semantics = sys::PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes;
+        args.host_buffer_semantics = semantics;
         args.device = device_ptr.as_ptr();
         // SAFETY: live client and device; `data` holds exactly the dense array described by
-        // `ty` and `dims` (checked above) and is neither mutated nor freed before
-        // `done_with_host_buffer` fires, which is awaited below while `data` is still borrowed.
+        // `ty` and `dims` (checked above), and the caller keeps it as `semantics` requires.
         let err = unsafe { (api.fns.PJRT_Client_BufferFromHostBuffer)(&mut args) };
         // Take ownership of both outputs before looking at the error, so nothing leaks.
         let done = Event::new(api, args.done_with_host_buffer);
-        let buffer = NonNull::new(args.buffer).map(|raw| Buffer::from_raw(&self.inner, raw));
         let status = api.check("PJRT_Client_BufferFromHostBuffer", err);
-        // Even on error, wait until the plugin has let go of `data` before returning.
-        let waited = match done {
-            Some(done) => done.wait("PJRT_Client_BufferFromHostBuffer"),
-            None => Ok(()),
-        };
-        status?;
-        waited?;
-        buffer.ok_or_else(|| Error::Pjrt {
-            call: "PJRT_Client_BufferFromHostBuffer",
-            code: "INTERNAL".into(),
-            message: "the plugin returned no buffer".into(),
+        Ok(Upload {
+            raw: NonNull::new(args.buffer),
+            done,
+            status,
         })
     }
 
@@ -400,30 +424,107 @@ impl Client {
         dims: &[i64],
         device: usize,
     ) -> Result<Buffer> {
-        if t.device() != tch::Device::Cpu || !t.is_contiguous() {
-            return Err(Error::Invalid(format!(
-                "buffer_from_tch: a {:?} tensor on {:?}, contiguous: {} (needs a contiguous CPU tensor)",
-                t.kind(),
-                t.device(),
-                t.is_contiguous()
-            )));
-        }
-        // The byte count is checked against `ty` and `dims` by `buffer_from_host`.
-        let size = t.numel() * t.kind().elt_size_in_bytes();
-        if size == 0 {
+        let data = tch_bytes("buffer_from_tch", t)?;
+        if data.1 == 0 {
             return self.buffer_from_host(&[], ty, dims, device);
         }
-        let p = t.data_ptr().cast::<u8>().cast_const();
-        if p.is_null() {
-            return Err(Error::Invalid(
-                "buffer_from_tch: the tensor has no storage".into(),
-            ));
-        }
-        // SAFETY: `t` is a contiguous CPU tensor: its `size` bytes lie at `p` (its data
+        // SAFETY: `t` is a contiguous CPU tensor holding `data.1` bytes at `data.0` (its data
         // pointer, storage offset included), and `t` is borrowed until `buffer_from_host` has
         // returned, by which time the plugin no longer reads them.
-        let data = unsafe { std::slice::from_raw_parts(p, size) };
+        let data = unsafe { std::slice::from_raw_parts(data.0, data.1) };
         self.buffer_from_host(data, ty, dims, device)
+    }
+
+    /// A buffer whose storage is a contiguous CPU libtorch tensor's memory, where the plugin
+    /// allows it (`kImmutableZeroCopy`; the CPU plugin does for dense arrays aligned as its
+    /// own, which libtorch's allocations are; otherwise it copies). The buffer holds a handle
+    /// on the tensor until the plugin lets go of the memory, after the buffer is destroyed.
+    ///
+    /// The memory is read in place, so the tensor's values must not change while the buffer
+    /// lives: use this for a buffer that one synchronous call reads and drops (dropping a
+    /// lent buffer waits for the executions reading it). An upload costs no allocation or
+    /// copy in the plugin, and the buffer's destruction no free.
+    ///
+    /// # Errors
+    /// As [`Client::buffer_from_tch`].
+    pub fn lend_tch(
+        &self,
+        t: &tch::Tensor,
+        ty: ElementType,
+        dims: &[i64],
+        device: usize,
+    ) -> Result<Buffer> {
+        let data = tch_bytes("lend_tch", t)?;
+        if data.1 == 0 {
+            return self.buffer_from_host(&[], ty, dims, device);
+        }
+        // A handle of the lease's own keeps the memory allocated after the caller's goes.
+        let keep = t.shallow_clone();
+        // SAFETY: `keep` is a contiguous CPU tensor holding `data.1` bytes at `data.0`; the
+        // memory stays allocated until `done` completes (the lease holds `keep` until then),
+        // and the caller keeps its values unchanged while the buffer lives (this function's
+        // contract), which is as long as the plugin reads them.
+        let bytes = unsafe { std::slice::from_raw_parts(data.0, data.1) };
+        let Upload { raw, done, status } = self.upload_host_buffer(
+            "lend_tch",
+            bytes,
+            ty,
+            dims,
+            device,
+            sys::PJRT_HostBufferSemantics_kImmutableZeroCopy,
+        )?;
+        let done = done.map(|e| HostLease::new(e.into_raw(), keep));
+        let buffer = match (raw, done) {
+            (Some(raw), Some(lease)) => Some(Buffer::leased(&self.inner, raw, lease)),
+            (Some(raw), None) => Some(Buffer::from_raw(&self.inner, raw)),
+            (None, Some(lease)) => {
+                lease.release(&self.inner);
+                None
+            }
+            (None, None) => None,
+        };
+        status?;
+        buffer.ok_or_else(no_buffer)
+    }
+}
+
+/// What `PJRT_Client_BufferFromHostBuffer` gave: the buffer and the `done_with_host_buffer`
+/// event (both owned by the caller, even on error), and the call's status.
+struct Upload<'a> {
+    raw: Option<NonNull<sys::PJRT_Buffer>>,
+    done: Option<Event<'a>>,
+    status: Result<()>,
+}
+
+/// The data pointer and byte size of a contiguous CPU tensor (a null pointer only for an
+/// empty one).
+fn tch_bytes(caller: &str, t: &tch::Tensor) -> Result<(*const u8, usize)> {
+    if t.device() != tch::Device::Cpu || !t.is_contiguous() {
+        return Err(Error::Invalid(format!(
+            "{caller}: a {:?} tensor on {:?}, contiguous: {} (needs a contiguous CPU tensor)",
+            t.kind(),
+            t.device(),
+            t.is_contiguous()
+        )));
+    }
+    let size = t.numel() * t.kind().elt_size_in_bytes();
+    if size == 0 {
+        return Ok((ptr::null(), 0));
+    }
+    let p = t.data_ptr().cast::<u8>().cast_const();
+    if p.is_null() {
+        return Err(Error::Invalid(format!(
+            "{caller}: the tensor has no storage"
+        )));
+    }
+    Ok((p, size))
+}
+
+fn no_buffer() -> Error {
+    Error::Pjrt {
+        call: "PJRT_Client_BufferFromHostBuffer",
+        code: "INTERNAL".into(),
+        message: "the plugin returned no buffer".into(),
     }
 }
 

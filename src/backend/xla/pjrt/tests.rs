@@ -1133,3 +1133,61 @@ fn to_host_timing() {
          direct read {after:.2} us per call (over {n} calls)"
     );
 }
+
+/// A lent tensor's memory is the buffer's storage (the CPU plugin takes libtorch's aligned
+/// memory as is), stays allocated after the caller's handle is gone, and reads as the
+/// tensor's values.
+#[test]
+fn lend_tch_uses_the_tensors_memory() {
+    let _g = serial();
+    let c = client();
+    let exe = c.compile(MUL_ADD, &compile_options_bytes()).unwrap();
+    let t = tch::Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]);
+    let address = t.data_ptr() as usize;
+    let b = c.lend_tch(&t, ElementType::F32, &[4], 0).unwrap();
+    let read = c
+        .inner
+        .direct_read
+        .as_ref()
+        .expect("the CPU plugin reads directly");
+    assert_eq!(read.address(&b), Some(address));
+    drop(t);
+    let out = exe.execute(&[&b, &b]).unwrap();
+    assert_eq!(read_f32(&out[0]), vec![2.0, 6.0, 12.0, 20.0]);
+    assert_eq!(read_f32(&b), vec![1.0, 2.0, 3.0, 4.0]);
+    // Empty and non-contiguous tensors.
+    let e = tch::Tensor::zeros([3, 0], (tch::Kind::Float, tch::Device::Cpu));
+    let eb = c.lend_tch(&e, ElementType::F32, &[3, 0], 0).unwrap();
+    assert_eq!(eb.dims().unwrap(), vec![3, 0]);
+    let m = tch::Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0])
+        .reshape([2, 2])
+        .tr();
+    let err = c.lend_tch(&m, ElementType::F32, &[2, 2], 0).unwrap_err();
+    assert!(err.to_string().contains("contiguous"), "{err}");
+    let err = c.lend_tch(&e, ElementType::F32, &[4], 0).unwrap_err();
+    assert!(matches!(err, Error::Invalid(_)), "{err:?}");
+}
+
+/// Dropping a lent buffer waits for the execution reading it: the caller may change the
+/// tensor as soon as the buffer is gone, and the result is still the one of the values it
+/// was lent.
+#[test]
+fn dropping_a_lent_buffer_waits_for_its_readers() {
+    let _g = serial();
+    let c = client();
+    let module = "func.func public @main(%a: tensor<256x256xf32>) -> tensor<256x256xf32> {
+      %0 = stablehlo.dot_general %a, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
+      %1 = stablehlo.dot_general %0, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
+      return %1 : tensor<256x256xf32>
+    }";
+    let exe = c.compile(module, &compile_options_bytes()).unwrap();
+    for _ in 0..20 {
+        let mut t = tch::Tensor::ones([256, 256], (tch::Kind::Float, tch::Device::Cpu));
+        let a = c.lend_tch(&t, ElementType::F32, &[256, 256], 0).unwrap();
+        let out = exe.execute(&[&a]).unwrap();
+        drop(a);
+        let _ = t.fill_(2.0);
+        let y = read_f32(&out[0]);
+        assert!(y.iter().all(|&v| v == 65536.0), "{}", y[0]);
+    }
+}
