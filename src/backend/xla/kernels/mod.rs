@@ -52,7 +52,7 @@ mod attention;
 mod conv;
 mod dot;
 mod mlir;
-mod onednn;
+pub(crate) mod onednn;
 mod packed;
 mod packed_linear;
 mod selftest;

@@ -450,7 +450,7 @@ impl Buffer {
     /// [`Buffer::to_tch`] of a buffer whose dims are `dims`.
     fn to_tch_of(&self, kind: tch::Kind, dims: &[i64]) -> Result<tch::Tensor> {
         let size = self.host_size()?;
-        let t = tch::Tensor::f_empty(dims, (kind, tch::Device::Cpu))?;
+        let t = crate::backend::xla::kernels::onednn::empty_cpu(kind, dims)?;
         // `empty` of `dims` holds their product of elements (counted here: tch's `numel`
         // fetches the sizes into a new `Vec` through two FFI calls).
         let numel = dims
