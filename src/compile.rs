@@ -633,9 +633,9 @@ impl<B: Backend> FnState<B> {
             .collect::<Result<_>>()?;
         let p = self.plan(&signature)?;
         let mut data = Vec::with_capacity(inputs.len() + 1);
-        // `run` waits for its results and drops `data` before returning, so its inputs are
-        // lent (maybe without a copy); `run_on_device` returns with the execution maybe
-        // still reading them, so it copies.
+        // `run` drops `data` before returning (a lent buffer's drop waits for the execution
+        // reading it), so its inputs are lent (maybe without a copy); `run_on_device` hands
+        // the execution over unfinished, so it copies.
         for (i, t) in inputs.iter().enumerate() {
             data.push(self.rt.upload_batch(i, t, !on_device)?);
         }

@@ -298,7 +298,6 @@ struct Inner {
 }
 
 impl XlaBackend {
-    /// Copies `t` to addressable device `device` of this backend's client.
     /// [`Backend::tensor_to_device`], or with `lend` [`Backend::lend_to_device`].
     fn upload_tensor(&self, t: &crate::Tensor, lend: bool) -> Result<XlaBuffer> {
         let ty = t.ty();
@@ -325,6 +324,7 @@ impl XlaBackend {
         self.to_device(&t.to_host()?)
     }
 
+    /// Copies `t` to addressable device `device` of this backend's client.
     pub(crate) fn upload_to(&self, t: &HostTensor, device: usize) -> Result<XlaBuffer> {
         let ty = t.ty().clone();
         let dims: Vec<i64> = ty.shape.to_i64();

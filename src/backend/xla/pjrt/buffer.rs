@@ -164,30 +164,35 @@ pub struct Buffer {
 /// the plugin's `done_with_host_buffer` event, which completes once the buffer's storage is
 /// released. Holding a handle on the tensor keeps the memory allocated until then.
 pub(crate) struct HostLease {
-    done: NonNull<sys::PJRT_Event>,
+    /// `None` if the plugin gave no event: the tensor is then kept until the buffer is
+    /// destroyed.
+    done: Option<NonNull<sys::PJRT_Event>>,
     tensor: tch::Tensor,
 }
 
 impl HostLease {
     /// Takes ownership of `done` (the event of the upload that made a buffer of `tensor`'s
     /// memory).
-    pub(crate) fn new(done: NonNull<sys::PJRT_Event>, tensor: tch::Tensor) -> HostLease {
+    pub(crate) fn new(done: Option<NonNull<sys::PJRT_Event>>, tensor: tch::Tensor) -> HostLease {
         HostLease { done, tensor }
     }
 
     /// Waits until the plugin has let go of the memory, then drops the event and the tensor.
     /// The buffer must be destroyed first: the event completes only then.
     pub(crate) fn release(self, client: &ClientInner) {
-        let api = client.api();
-        // SAFETY: `done` is a live event owned by the lease, awaited and destroyed once, here.
-        unsafe {
-            let waited = api.await_event(self.done, "done_with_host_buffer");
-            if let Err(e) = waited {
-                if cfg!(debug_assertions) {
-                    eprintln!("kiln: ignoring error in cleanup: {e}");
+        if let Some(done) = self.done {
+            let api = client.api();
+            // SAFETY: `done` is a live event owned by the lease, awaited and destroyed once,
+            // here.
+            unsafe {
+                let waited = api.await_event(done, "done_with_host_buffer");
+                if let Err(e) = waited {
+                    if cfg!(debug_assertions) {
+                        eprintln!("kiln: ignoring error in cleanup: {e}");
+                    }
                 }
+                api.destroy_event(done);
             }
-            api.destroy_event(self.done);
         }
         drop(self.tensor);
     }

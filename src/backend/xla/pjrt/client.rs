@@ -461,9 +461,9 @@ impl Client {
         // A handle of the lease's own keeps the memory allocated after the caller's goes.
         let keep = t.shallow_clone();
         // SAFETY: `keep` is a contiguous CPU tensor holding `data.1` bytes at `data.0`; the
-        // memory stays allocated until `done` completes (the lease holds `keep` until then),
-        // and the caller keeps its values unchanged while the buffer lives (this function's
-        // contract), which is as long as the plugin reads them.
+        // memory stays allocated until the buffer is destroyed and `done` has completed (the
+        // lease holds `keep` until then), and the caller keeps its values unchanged while the
+        // buffer lives (this function's contract), which is as long as the plugin reads them.
         let bytes = unsafe { std::slice::from_raw_parts(data.0, data.1) };
         let Upload { raw, done, status } = self.upload_host_buffer(
             "lend_tch",
@@ -473,15 +473,13 @@ impl Client {
             device,
             sys::PJRT_HostBufferSemantics_kImmutableZeroCopy,
         )?;
-        let done = done.map(|e| HostLease::new(e.into_raw(), keep));
-        let buffer = match (raw, done) {
-            (Some(raw), Some(lease)) => Some(Buffer::leased(&self.inner, raw, lease)),
-            (Some(raw), None) => Some(Buffer::from_raw(&self.inner, raw)),
-            (None, Some(lease)) => {
+        let lease = HostLease::new(done.map(Event::into_raw), keep);
+        let buffer = match raw {
+            Some(raw) => Some(Buffer::leased(&self.inner, raw, lease)),
+            None => {
                 lease.release(&self.inner);
                 None
             }
-            (None, None) => None,
         };
         status?;
         buffer.ok_or_else(no_buffer)
