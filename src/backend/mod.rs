@@ -78,6 +78,18 @@ pub trait Backend: Send + Sync + 'static {
         inputs: &[&Self::Buffer],
     ) -> Result<Vec<Self::Buffer>>;
 
+    /// [`Backend::execute`] for a caller that waits for the outputs (reads one back) before
+    /// it drops any input, as kiln's runtime does for a step that returns host values. A
+    /// backend may skip bookkeeping that only matters for inputs dropped while the graph
+    /// runs; the default is [`Backend::execute`].
+    fn execute_awaited(
+        &self,
+        exe: &Self::Executable,
+        inputs: &[&Self::Buffer],
+    ) -> Result<Vec<Self::Buffer>> {
+        self.execute(exe, inputs)
+    }
+
     /// Copies a host tensor to the device.
     fn to_device(&self, t: &HostTensor) -> Result<Self::Buffer>;
 

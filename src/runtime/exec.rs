@@ -239,7 +239,18 @@ impl<B: Backend> Runtime<B> {
                     (OutputSource::Output(_), _) => None,
                 });
             }
-            (self.execute(&step.exe, &args)?, forwarded)
+            // A step with a host result downloads it below, before any argument can be
+            // dropped (data by the caller after the plan, replaced variables after the step).
+            let awaited = step
+                .routes
+                .iter()
+                .any(|(src, dest)| matches!((src, dest), (OutputSource::Output(_), Dest::Host(_))));
+            let outs = if awaited {
+                self.execute_awaited(&step.exe, &args)?
+            } else {
+                self.execute(&step.exe, &args)?
+            };
+            (outs, forwarded)
         };
         // Host values first (reading needs no ownership), then count the owners of each output.
         let mut uses = vec![0usize; outs.len()];

@@ -182,6 +182,18 @@ impl<B: Backend> Runtime<B> {
         Ok(outs)
     }
 
+    /// Runs an executable whose outputs the caller waits for before it drops any argument
+    /// ([`Backend::execute_awaited`]).
+    pub(crate) fn execute_awaited(
+        &self,
+        exe: &B::Executable,
+        args: &[&B::Buffer],
+    ) -> Result<Vec<B::Buffer>> {
+        let outs = self.backend.execute_awaited(exe, args)?;
+        self.metrics.executed();
+        Ok(outs)
+    }
+
     /// Records `var` as a variable of this runtime (uploaded when first needed); returns its
     /// id.
     pub(crate) fn register(&self, var: &Tensor) -> Result<VarId> {

@@ -298,6 +298,53 @@ struct Inner {
 }
 
 impl XlaBackend {
+    /// [`Backend::execute`], or [`Backend::execute_awaited`] if `awaited`.
+    fn execute_checked(
+        &self,
+        exe: &XlaExecutable,
+        inputs: &[&XlaBuffer],
+        awaited: bool,
+    ) -> Result<Vec<XlaBuffer>> {
+        if inputs.len() != exe.inputs.len() {
+            return Err(Error::Invalid(format!(
+                "executable has {} inputs, got {}",
+                exe.inputs.len(),
+                inputs.len()
+            )));
+        }
+        for (i, (b, (name, ty))) in inputs.iter().zip(&exe.inputs).enumerate() {
+            if &b.ty != ty {
+                return Err(Error::InputMismatch {
+                    index: i,
+                    name: name.clone(),
+                    expected: ty.to_string(),
+                    got: b.ty.to_string(),
+                });
+            }
+        }
+        let raw: Vec<&pjrt::Buffer> = inputs.iter().map(|b| &b.buffer).collect();
+        let outs = if awaited {
+            exe.exe.execute_awaited(&raw)?
+        } else {
+            exe.exe.execute(&raw)?
+        };
+        if outs.len() != exe.outputs.len() {
+            return Err(Error::Invalid(format!(
+                "executable returned {} outputs, expected {}",
+                outs.len(),
+                exe.outputs.len()
+            )));
+        }
+        Ok(outs
+            .into_iter()
+            .zip(&exe.outputs)
+            .map(|(buffer, ty)| XlaBuffer {
+                buffer,
+                ty: ty.clone(),
+            })
+            .collect())
+    }
+
     /// [`Backend::tensor_to_device`], or with `lend` [`Backend::lend_to_device`].
     fn upload_tensor(&self, t: &crate::Tensor, lend: bool) -> Result<XlaBuffer> {
         let ty = t.ty();
@@ -1063,40 +1110,18 @@ impl Backend for XlaBackend {
     }
 
     fn execute(&self, exe: &XlaExecutable, inputs: &[&XlaBuffer]) -> Result<Vec<XlaBuffer>> {
-        if inputs.len() != exe.inputs.len() {
-            return Err(Error::Invalid(format!(
-                "executable has {} inputs, got {}",
-                exe.inputs.len(),
-                inputs.len()
-            )));
-        }
-        for (i, (b, (name, ty))) in inputs.iter().zip(&exe.inputs).enumerate() {
-            if &b.ty != ty {
-                return Err(Error::InputMismatch {
-                    index: i,
-                    name: name.clone(),
-                    expected: ty.to_string(),
-                    got: b.ty.to_string(),
-                });
-            }
-        }
-        let raw: Vec<&pjrt::Buffer> = inputs.iter().map(|b| &b.buffer).collect();
-        let outs = exe.exe.execute(&raw)?;
-        if outs.len() != exe.outputs.len() {
-            return Err(Error::Invalid(format!(
-                "executable returned {} outputs, expected {}",
-                outs.len(),
-                exe.outputs.len()
-            )));
-        }
-        Ok(outs
-            .into_iter()
-            .zip(&exe.outputs)
-            .map(|(buffer, ty)| XlaBuffer {
-                buffer,
-                ty: ty.clone(),
-            })
-            .collect())
+        self.execute_checked(exe, inputs, false)
+    }
+
+    /// Without recording the execution's completion on the inputs
+    /// ([`pjrt::LoadedExecutable::execute_awaited`]): LinearModel replays, 8 alternating
+    /// process pairs of 100,000 calls, median 8.4 → 7.7 µs a call.
+    fn execute_awaited(
+        &self,
+        exe: &XlaExecutable,
+        inputs: &[&XlaBuffer],
+    ) -> Result<Vec<XlaBuffer>> {
+        self.execute_checked(exe, inputs, true)
     }
 
     fn to_device(&self, t: &HostTensor) -> Result<XlaBuffer> {

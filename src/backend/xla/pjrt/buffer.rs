@@ -274,6 +274,12 @@ impl Buffer {
         *self.last_use.lock() = Some(Arc::clone(done));
     }
 
+    /// Whether an execution's completion is recorded on this buffer.
+    #[cfg(test)]
+    pub(crate) fn has_last_use(&self) -> bool {
+        self.last_use.lock().is_some()
+    }
+
     pub(crate) fn raw(&self) -> *mut sys::PJRT_Buffer {
         self.raw.as_ptr()
     }

@@ -149,7 +149,23 @@ impl LoadedExecutable {
     /// [`Error::Invalid`] if an argument belongs to another client; [`Error::Pjrt`] if the
     /// plugin rejects the arguments (count, types, deleted buffers) or the launch fails.
     pub fn execute(&self, args: &[&Buffer]) -> Result<Vec<Buffer>> {
-        let mut outs = self.execute_replicated(&[args])?;
+        self.execute_one(args, true)
+    }
+
+    /// [`LoadedExecutable::execute`] for a caller that waits for the outputs before it drops
+    /// any argument: the execution's completion is not recorded on the arguments (no
+    /// completion event, no `Arc` a call). Dropping an argument early stays correct, but may
+    /// block the dropping thread in the plugin until the execution is done (see
+    /// `Buffer`'s `Drop`).
+    ///
+    /// # Errors
+    /// As [`LoadedExecutable::execute`].
+    pub fn execute_awaited(&self, args: &[&Buffer]) -> Result<Vec<Buffer>> {
+        self.execute_one(args, false)
+    }
+
+    fn execute_one(&self, args: &[&Buffer], track: bool) -> Result<Vec<Buffer>> {
+        let mut outs = self.execute_lists(&[args], track)?;
         outs.pop().ok_or_else(|| Error::Pjrt {
             call: "PJRT_LoadedExecutable_Execute",
             code: "INTERNAL".into(),
@@ -168,6 +184,12 @@ impl LoadedExecutable {
     /// length; [`Error::Pjrt`] if their number is not the executable's replica count or a
     /// buffer is not on its replica's device.
     pub fn execute_replicated(&self, args: &[&[&Buffer]]) -> Result<Vec<Vec<Buffer>>> {
+        self.execute_lists(args, true)
+    }
+
+    /// [`LoadedExecutable::execute_replicated`], recording the completion on the arguments
+    /// if `track` (see [`LoadedExecutable::execute_awaited`]).
+    fn execute_lists(&self, args: &[&[&Buffer]], track: bool) -> Result<Vec<Vec<Buffer>>> {
         let num_args = args.first().map_or(0, |a| a.len());
         // Small vectors: a call on one device with a few arguments allocates none of these
         // lists (the LinearModel's replay is a few microseconds, 27 Rust allocations a call
@@ -224,9 +246,10 @@ impl LoadedExecutable {
         exec.num_args = num_args;
         exec.output_lists = output_lists.as_ptr();
         // Each replica's completion, recorded on its arguments (see `Buffer::used_by`): only
-        // needed where dropping a busy argument must not block (kernel handoff).
+        // needed where dropping a busy argument must not block (kernel handoff), and where
+        // the caller may drop one while the execution runs.
         let mut done: SmallVec<[*mut sys::PJRT_Event; 1]> = SmallVec::new();
-        if super::handoff::enabled() {
+        if track && super::handoff::enabled() {
             done.resize(args.len(), ptr::null_mut());
             exec.device_complete_events = done.as_mut_ptr();
         }

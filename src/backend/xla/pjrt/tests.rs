@@ -1191,3 +1191,33 @@ fn dropping_a_lent_buffer_waits_for_its_readers() {
         assert!(y.iter().all(|&v| v == 65536.0), "{}", y[0]);
     }
 }
+
+/// `execute_awaited` computes what `execute` does without recording the completion on its
+/// arguments; a lent argument dropped before the outputs are read (against its contract)
+/// still leaves the result that of the lent values: the drop blocks until the execution is
+/// done.
+#[test]
+fn execute_awaited_records_no_completion() {
+    let _g = serial();
+    let c = client();
+    let exe = c.compile(MUL_ADD, &compile_options_bytes()).unwrap();
+    let a = f32_buffer(&[1.0, 2.0, 3.0, 4.0]);
+    let out = exe.execute_awaited(&[&a, &a]).unwrap();
+    assert_eq!(read_f32(&out[0]), vec![2.0, 6.0, 12.0, 20.0]);
+    assert!(!a.has_last_use());
+    let module = "func.func public @main(%a: tensor<256x256xf32>) -> tensor<256x256xf32> {
+      %0 = stablehlo.dot_general %a, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
+      %1 = stablehlo.dot_general %0, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
+      return %1 : tensor<256x256xf32>
+    }";
+    let exe = c.compile(module, &compile_options_bytes()).unwrap();
+    for _ in 0..10 {
+        let mut t = tch::Tensor::ones([256, 256], (tch::Kind::Float, tch::Device::Cpu));
+        let a = c.lend_tch(&t, ElementType::F32, &[256, 256], 0).unwrap();
+        let out = exe.execute_awaited(&[&a]).unwrap();
+        drop(a);
+        let _ = t.fill_(2.0);
+        let y = read_f32(&out[0]);
+        assert!(y.iter().all(|&v| v == 65536.0), "{}", y[0]);
+    }
+}
