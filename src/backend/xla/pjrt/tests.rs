@@ -812,11 +812,7 @@ fn too_old_or_foreign_plugins_are_plugin_errors() {
 fn inputs_and_executable_may_be_dropped_while_running() {
     let _g = serial();
     let c = client();
-    let module = "func.func public @main(%a: tensor<256x256xf32>) -> tensor<256x256xf32> {
-      %0 = stablehlo.dot_general %a, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
-      %1 = stablehlo.dot_general %0, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
-      return %1 : tensor<256x256xf32>
-    }";
+    let module = TWO_PRODUCTS_256;
     let ones = f32_bytes(&vec![1.0; 256 * 256]);
     for _ in 0..20 {
         let exe = c.compile(module, &compile_options_bytes()).unwrap();
@@ -1168,28 +1164,39 @@ fn lend_tch_uses_the_tensors_memory() {
     assert!(matches!(err, Error::Invalid(_)), "{err:?}");
 }
 
+/// Two chained products of a `[256, 256]` argument with itself: long enough that an
+/// argument dropped right after the launch is dropped while the execution reads it.
+const TWO_PRODUCTS_256: &str = "func.func public @main(%a: tensor<256x256xf32>) -> tensor<256x256xf32> {
+      %0 = stablehlo.dot_general %a, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
+      %1 = stablehlo.dot_general %0, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
+      return %1 : tensor<256x256xf32>
+    }";
+
+/// Lends a tensor of ones to [`TWO_PRODUCTS_256`] launched by `launch`, drops the buffer
+/// right after the launch and overwrites the tensor: the result must be the ones' result.
+fn lent_argument_dropped_early(launch: impl Fn(&LoadedExecutable, &Buffer) -> Vec<Buffer>) {
+    let c = client();
+    let exe = c
+        .compile(TWO_PRODUCTS_256, &compile_options_bytes())
+        .unwrap();
+    for _ in 0..10 {
+        let mut t = tch::Tensor::ones([256, 256], (tch::Kind::Float, tch::Device::Cpu));
+        let a = c.lend_tch(&t, ElementType::F32, &[256, 256], 0).unwrap();
+        let out = launch(&exe, &a);
+        drop(a);
+        let _ = t.fill_(2.0);
+        let y = read_f32(&out[0]);
+        assert!(y.iter().all(|&v| v == 65536.0), "{}", y[0]);
+    }
+}
+
 /// Dropping a lent buffer waits for the execution reading it: the caller may change the
 /// tensor as soon as the buffer is gone, and the result is still the one of the values it
 /// was lent.
 #[test]
 fn dropping_a_lent_buffer_waits_for_its_readers() {
     let _g = serial();
-    let c = client();
-    let module = "func.func public @main(%a: tensor<256x256xf32>) -> tensor<256x256xf32> {
-      %0 = stablehlo.dot_general %a, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
-      %1 = stablehlo.dot_general %0, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
-      return %1 : tensor<256x256xf32>
-    }";
-    let exe = c.compile(module, &compile_options_bytes()).unwrap();
-    for _ in 0..20 {
-        let mut t = tch::Tensor::ones([256, 256], (tch::Kind::Float, tch::Device::Cpu));
-        let a = c.lend_tch(&t, ElementType::F32, &[256, 256], 0).unwrap();
-        let out = exe.execute(&[&a]).unwrap();
-        drop(a);
-        let _ = t.fill_(2.0);
-        let y = read_f32(&out[0]);
-        assert!(y.iter().all(|&v| v == 65536.0), "{}", y[0]);
-    }
+    lent_argument_dropped_early(|exe, a| exe.execute(&[a]).unwrap());
 }
 
 /// `execute_awaited` computes what `execute` does without recording the completion on its
@@ -1205,19 +1212,5 @@ fn execute_awaited_records_no_completion() {
     let out = exe.execute_awaited(&[&a, &a]).unwrap();
     assert_eq!(read_f32(&out[0]), vec![2.0, 6.0, 12.0, 20.0]);
     assert!(!a.has_last_use());
-    let module = "func.func public @main(%a: tensor<256x256xf32>) -> tensor<256x256xf32> {
-      %0 = stablehlo.dot_general %a, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
-      %1 = stablehlo.dot_general %0, %a, contracting_dims = [1] x [0] : (tensor<256x256xf32>, tensor<256x256xf32>) -> tensor<256x256xf32>
-      return %1 : tensor<256x256xf32>
-    }";
-    let exe = c.compile(module, &compile_options_bytes()).unwrap();
-    for _ in 0..10 {
-        let mut t = tch::Tensor::ones([256, 256], (tch::Kind::Float, tch::Device::Cpu));
-        let a = c.lend_tch(&t, ElementType::F32, &[256, 256], 0).unwrap();
-        let out = exe.execute_awaited(&[&a]).unwrap();
-        drop(a);
-        let _ = t.fill_(2.0);
-        let y = read_f32(&out[0]);
-        assert!(y.iter().all(|&v| v == 65536.0), "{}", y[0]);
-    }
+    lent_argument_dropped_early(|exe, a| exe.execute_awaited(&[a]).unwrap());
 }
