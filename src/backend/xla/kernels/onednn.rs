@@ -16,7 +16,9 @@
 //! weights), so packed weights are kept (see `weights.rs`) rather than packed per call.
 //!
 //! This module is the crate's one binding to libtorch outside tch (the C shim above), so,
-//! like the PJRT bindings, it is allowed `unsafe`; each block says why it is sound.
+//! like the PJRT bindings, it is allowed `unsafe`; each block says why it is sound. Besides
+//! the oneDNN ops, it makes the tensors that compiled calls return (`empty_cpu`, the shim's
+//! `empty_strided`, cheaper than tch's `empty`).
 #![allow(unsafe_code)]
 
 use crate::error::{Error, Result};
