@@ -123,8 +123,9 @@ impl<B: Backend> Runtime<B> {
         Ok(b)
     }
 
-    /// An eager tensor's values on the device for one synchronous use, the buffer dropped
-    /// before the tensor can change ([`Backend::lend_to_device`]: maybe without a copy).
+    /// An eager tensor's values on the device for one synchronous use
+    /// ([`Backend::lend_to_device`]: maybe without a copy). The caller must drop the buffer
+    /// before the tensor can change.
     pub fn lend_tensor(&self, t: &Tensor) -> Result<B::Buffer> {
         let b = self.backend.lend_to_device(t)?;
         self.count_upload(t.ty().size_in_bytes());
