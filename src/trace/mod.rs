@@ -129,10 +129,7 @@ impl Tensor {
     /// Wraps a tch tensor holding values of `dtype` (for `U32`, an `Int64` tensor).
     pub(crate) fn from_tch_typed(t: tch::Tensor, dtype: DType) -> Tensor {
         let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
-        Tensor {
-            ty: TensorType::new(dtype, shape),
-            repr: Repr::Eager { t, var: None },
-        }
+        Tensor::from_tch_with_type(t, TensorType::new(dtype, shape))
     }
 
     /// An eager tensor whose type the caller knows: `t` must have `ty`'s shape and the

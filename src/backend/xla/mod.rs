@@ -91,6 +91,33 @@ pub struct XlaExecutable {
 }
 
 impl XlaExecutable {
+    /// Checks `count` arguments against the executable's inputs, in order: `type_of(i,
+    /// name)` is argument `i`'s type (or an error about that argument of its own).
+    fn check_arguments<'a>(
+        &self,
+        count: usize,
+        type_of: impl Fn(usize, &str) -> Result<&'a TensorType>,
+    ) -> Result<()> {
+        if count != self.inputs.len() {
+            return Err(Error::Invalid(format!(
+                "executable has {} inputs, got {count}",
+                self.inputs.len()
+            )));
+        }
+        for (i, (name, ty)) in self.inputs.iter().enumerate() {
+            let got = type_of(i, name)?;
+            if got != ty {
+                return Err(Error::InputMismatch {
+                    index: i,
+                    name: name.clone(),
+                    expected: ty.to_string(),
+                    got: got.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn new(mut exe: pjrt::LoadedExecutable, graph: &Graph, mlir: String) -> Self {
         exe.set_weight_inputs(weight_inputs(graph));
         XlaExecutable {
@@ -305,23 +332,7 @@ impl XlaBackend {
         inputs: &[&XlaBuffer],
         awaited: bool,
     ) -> Result<Vec<XlaBuffer>> {
-        if inputs.len() != exe.inputs.len() {
-            return Err(Error::Invalid(format!(
-                "executable has {} inputs, got {}",
-                exe.inputs.len(),
-                inputs.len()
-            )));
-        }
-        for (i, (b, (name, ty))) in inputs.iter().zip(&exe.inputs).enumerate() {
-            if &b.ty != ty {
-                return Err(Error::InputMismatch {
-                    index: i,
-                    name: name.clone(),
-                    expected: ty.to_string(),
-                    got: b.ty.to_string(),
-                });
-            }
-        }
+        exe.check_arguments(inputs.len(), |i, _| Ok(&inputs[i].ty))?;
         let raw: Vec<&pjrt::Buffer> = inputs.iter().map(|b| &b.buffer).collect();
         let outs = if awaited {
             exe.exe.execute_awaited(&raw)?

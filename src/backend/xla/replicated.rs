@@ -122,30 +122,17 @@ impl Backend for Replicated {
         exe: &XlaExecutable,
         inputs: &[&ReplicatedBuffer],
     ) -> Result<Vec<ReplicatedBuffer>> {
-        if inputs.len() != exe.inputs.len() {
-            return Err(Error::Invalid(format!(
-                "executable has {} inputs, got {}",
-                exe.inputs.len(),
-                inputs.len()
-            )));
-        }
-        for (i, (b, (name, ty))) in inputs.iter().zip(&exe.inputs).enumerate() {
-            if b.parts.len() != self.replicas {
+        exe.check_arguments(inputs.len(), |i, name| {
+            let parts = &inputs[i].parts;
+            if parts.len() != self.replicas {
                 return Err(Error::Invalid(format!(
                     "input {i} ({name}) holds {} replica(s), the executable runs {}",
-                    b.parts.len(),
+                    parts.len(),
                     self.replicas
                 )));
             }
-            if &b.parts[0].ty != ty {
-                return Err(Error::InputMismatch {
-                    index: i,
-                    name: name.clone(),
-                    expected: ty.to_string(),
-                    got: b.parts[0].ty.to_string(),
-                });
-            }
-        }
+            Ok(&parts[0].ty)
+        })?;
         let lists: Vec<Vec<&pjrt::Buffer>> = (0..self.replicas)
             .map(|r| inputs.iter().map(|b| &b.parts[r].buffer).collect())
             .collect();
