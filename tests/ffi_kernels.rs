@@ -12,10 +12,12 @@ mod common;
 use common::{autograd_conv_layers, conv_cases, conv_graph, floats, run, xla, SplitMix64, FFI};
 use kiln::autograd::vjp;
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::kernels::{CONV_TARGET, DOT_TARGET};
+use kiln::backend::xla::kernels::{AFTER_TARGET, CONV_TARGET, DOT_TARGET};
 use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
-use kiln::ir::{ConvAttrs, DType, DotDims, Graph, InputKind, Op, TensorType};
+use kiln::ir::{
+    BinaryOp, ConvAttrs, DType, DotDims, Graph, InputKind, Op, ReduceKind, TensorType, UnaryOp,
+};
 
 fn native() -> XlaBackend {
     xla().with_options(XlaOptions::plain())
@@ -156,6 +158,57 @@ fn dot(lb: &[usize], rb: &[usize], lc: &[usize], rc: &[usize]) -> DotDims {
         lhs_contract: lc.to_vec(),
         rhs_contract: rc.to_vec(),
     }
+}
+
+/// A post-LN residual chain (bert's shape of layer: `y = norm(y + y · w)`, the norm a
+/// row-centred `tanh`) whose links the lowering writes once (`materialize.rs`): the same values
+/// as XLA alone, which recomputes them, and as the float64 reference.
+#[test]
+fn values_written_once_keep_their_values() {
+    let mut g = Graph::new();
+    let t = TensorType::new(DType::F32, [4, 16, 32]);
+    let x = g.add_input(InputKind::Data, "x", t.clone());
+    let w = g.add_input(
+        InputKind::Parameter,
+        "w",
+        TensorType::new(DType::F32, [32, 32]),
+    );
+    let mut y = g.add(Op::Unary(UnaryOp::Tanh), &[x]).unwrap();
+    for _ in 0..4 {
+        let p = g
+            .add(Op::DotGeneral(dot(&[], &[], &[2], &[0])), &[y, w])
+            .unwrap();
+        let s = g.add(Op::Binary(BinaryOp::Add), &[y, p]).unwrap();
+        let m = g
+            .add(
+                Op::Reduce {
+                    kind: ReduceKind::Sum,
+                    axes: vec![2],
+                },
+                &[s],
+            )
+            .unwrap();
+        let m = g
+            .add(
+                Op::Broadcast {
+                    shape: t.shape.clone(),
+                    dims: vec![0, 1],
+                },
+                &[m],
+            )
+            .unwrap();
+        let c = g.add(Op::Binary(BinaryOp::Sub), &[s, m]).unwrap();
+        y = g.add(Op::Unary(UnaryOp::Tanh), &[c]).unwrap();
+    }
+    g.set_outputs(vec![y]).unwrap();
+    let ins = [
+        random(&t, 7),
+        random(&TensorType::new(DType::F32, [32, 32]), 8),
+    ];
+    let lowered = xla().lower(&g).unwrap();
+    assert_eq!(lowered.matches(AFTER_TARGET).count(), 3, "{lowered}");
+    assert!(!native().lower(&g).unwrap().contains(AFTER_TARGET));
+    check("post-LN chain", &g, &ins, AFTER_TARGET);
 }
 
 #[test]

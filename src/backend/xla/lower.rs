@@ -19,6 +19,10 @@ use crate::ir::{
 use std::collections::HashMap;
 use std::fmt::Write;
 
+/// The custom-call attribute that gives the result operand 0's buffer (kiln's ordering and
+/// identity calls).
+const ALIASES_OPERAND_0: &str = "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], operand_index = 0, operand_tuple_indices = []>]";
+
 /// The MLIR element type of `d`.
 pub fn element_type(d: DType) -> &'static str {
     match d {
@@ -317,6 +321,32 @@ impl<'g> Emitter<'g> {
     }
 
     /// `  %res = "op"(args) {attrs} : (arg types) -> result type`
+    /// Passes node `id`'s value through kiln's identity call (the ordering call with no other
+    /// operand), which XLA cannot fuse through: its consumers read the value written once
+    /// instead of computing it again (see the `materialize` module). The call's result is the
+    /// operand's buffer, so nothing is copied.
+    fn written_once(&mut self, id: NodeId) {
+        let Some(value) = self.names.get(&id).cloned() else {
+            return;
+        };
+        let ty = &self.g.node(id).ty;
+        let res = format!("%w{}", id.index());
+        let attrs = format!(
+            "{}, {ALIASES_OPERAND_0}",
+            kernels::custom_call_attrs(kernels::AFTER_TARGET, "", &[ty], ty)
+        );
+        let t = tensor_type(ty);
+        self.generic(
+            &res,
+            "stablehlo.custom_call",
+            &[&value],
+            std::slice::from_ref(&t),
+            &attrs,
+            &t,
+        );
+        self.names.insert(id, res);
+    }
+
     fn generic(
         &mut self,
         res: &str,
@@ -739,7 +769,7 @@ impl<'g> Emitter<'g> {
                 let operands: Vec<&TensorType> =
                     n.operands.iter().map(|&o| &self.g.node(o).ty).collect();
                 let attrs = format!(
-                    "{}, output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], operand_index = 0, operand_tuple_indices = []>]",
+                    "{}, {ALIASES_OPERAND_0}",
                     kernels::custom_call_attrs(kernels::AFTER_TARGET, "", &operands, &n.ty)
                 );
                 let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -1034,8 +1064,16 @@ pub fn lower_replicated(graph: &Graph, ffi: &dyn FfiSelect, replicas: usize) -> 
         params.join(", "),
         out_tys.join(", ")
     );
+    let written_once = if ffi.orders() {
+        super::materialize::values_to_materialize(graph)
+    } else {
+        Default::default()
+    };
     for id in graph.topo_order() {
         e.node(id);
+        if written_once.contains(&id) {
+            e.written_once(id);
+        }
     }
     let outs: Vec<String> = graph
         .outputs()
@@ -1157,6 +1195,39 @@ mod tests {
         );
         assert!(lower(&g).unwrap().contains("mhlo.num_replicas = 1 : i32"));
         assert!(lower_replicated(&g, &FfiMode::Off, 0).is_err());
+    }
+
+    #[test]
+    fn chain_links_are_read_through_the_identity_call_with_the_kernels() {
+        // `y1 = tanh(y0 + y0 · w)`, `y2 = tanh(y1 + y1 · w)`: y1 links a chain.
+        let mut g = Graph::new();
+        let t = TensorType::new(DType::F32, [4, 4]);
+        let x = g.add_input(InputKind::Data, "x", t.clone());
+        let w = g.add_input(InputKind::Parameter, "w", t);
+        let d = DotDims {
+            lhs_batch: vec![],
+            rhs_batch: vec![],
+            lhs_contract: vec![1],
+            rhs_contract: vec![0],
+        };
+        let mut y = g.add(Op::Unary(UnaryOp::Tanh), &[x]).unwrap();
+        let mut links = vec![y];
+        for _ in 0..2 {
+            let p = g.add(Op::DotGeneral(d.clone()), &[y, w]).unwrap();
+            let s = g.add(Op::Binary(BinaryOp::Add), &[y, p]).unwrap();
+            y = g.add(Op::Unary(UnaryOp::Tanh), &[s]).unwrap();
+            links.push(y);
+        }
+        g.set_outputs(vec![y]).unwrap();
+        let y1 = links[1].index();
+        let text = lower_with_ffi(&g, FfiMode::Auto).unwrap();
+        assert!(
+            text.contains(&format!("%w{y1} = \"stablehlo.custom_call\"(%v{y1})"))
+                && text.matches(kernels::AFTER_TARGET).count() == 1
+                && text.matches(&format!("(%w{y1}, ")).count() == 2,
+            "{text}"
+        );
+        assert!(!lower(&g).unwrap().contains("custom_call"));
     }
 
     #[test]

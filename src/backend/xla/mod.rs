@@ -11,6 +11,7 @@ pub mod conv;
 mod hlo;
 pub mod kernels;
 pub mod lower;
+mod materialize;
 pub mod pjrt;
 pub mod reductions;
 mod replicated;
@@ -459,6 +460,12 @@ impl XlaBackend {
         }
     }
 
+    /// Does this backend lower to kiln's kernels (the plugin runs them and the options allow
+    /// them)? Then the lowering may also emit kiln's own calls (ordering, identity).
+    fn has_kernels(&self) -> bool {
+        self.effective_ffi() != FfiMode::Off
+    }
+
     /// The options this backend compiles with.
     pub fn options(&self) -> &XlaOptions {
         &self.options
@@ -489,7 +496,7 @@ impl XlaBackend {
                     .rewritten_variant(&g.fingerprint())
                     .unwrap_or(Variant::Tuned);
                 let choices = self.variant_choices(&g, v, &|_| false)?;
-                return lower::lower_with(&g, &ffi_nodes(&choices));
+                return lower::lower_with(&g, &ffi_nodes(&choices, self.has_kernels()));
             }
             None => Variant::Rule,
         };
@@ -503,9 +510,9 @@ impl XlaBackend {
             WidenHalf.run(&mut g)?;
             self.apply_variant(&mut g, variant, &|_| false)?;
             let choices = self.variant_choices(&g, variant, &|_| false)?;
-            lower::lower_with(&g, &ffi_nodes(&choices))
+            lower::lower_with(&g, &ffi_nodes(&choices, self.has_kernels()))
         } else {
-            lower::lower_with(graph, &ffi_nodes(&choices))
+            lower::lower_with(graph, &ffi_nodes(&choices, self.has_kernels()))
         }
     }
 
@@ -706,7 +713,10 @@ impl XlaBackend {
                 let mut g = graph.clone();
                 self.apply_variant(&mut g, *v, &|_| false)?;
                 let choices = self.variant_choices(&g, *v, &|_| false)?;
-                let mut exe = self.compile_mlir(&lower::lower_with(&g, &ffi_nodes(&choices))?)?;
+                let mut exe = self.compile_mlir(&lower::lower_with(
+                    &g,
+                    &ffi_nodes(&choices, self.has_kernels()),
+                )?)?;
                 // As a compiled function's executable: frozen variables key packed weights,
                 // which later runs reuse (else every run would pack them afresh).
                 exe.set_weight_inputs(weight_inputs(&g));
@@ -840,7 +850,11 @@ impl XlaBackend {
                 ffi.insert(node);
             }
         }
-        let mlir = lower::lower_with(&g, &ffi)?;
+        let selection = ChosenKernels {
+            nodes: ffi,
+            kernels: self.has_kernels(),
+        };
+        let mlir = lower::lower_with(&g, &selection)?;
         let exe = self.compile_mlir(&mlir)?;
         let bufs: Vec<XlaBuffer> = g
             .inputs()
@@ -1260,11 +1274,32 @@ fn weight_inputs(graph: &Graph) -> pjrt::WeightInputs {
     pjrt::WeightInputs { sources, donated }
 }
 
-/// The nodes chosen for libtorch kernels.
-fn ffi_nodes(choices: &[autotune::Chosen]) -> HashSet<NodeId> {
-    choices
-        .iter()
-        .filter(|c| c.1 == Lowering::Ffi)
-        .map(|c| c.0)
-        .collect()
+/// The nodes chosen for libtorch kernels, as the lowering's selection; `kernels` says whether
+/// kiln's kernels are in the plugin (so that the lowering may also emit its own calls, the
+/// ordering and identity calls).
+fn ffi_nodes(choices: &[autotune::Chosen], kernels: bool) -> ChosenKernels {
+    ChosenKernels {
+        nodes: choices
+            .iter()
+            .filter(|c| c.1 == Lowering::Ffi)
+            .map(|c| c.0)
+            .collect(),
+        kernels,
+    }
+}
+
+/// The selection [`ffi_nodes`] makes: which nodes are kernels, and whether the plugin has them.
+struct ChosenKernels {
+    nodes: HashSet<NodeId>,
+    kernels: bool,
+}
+
+impl kernels::FfiSelect for ChosenKernels {
+    fn picks(&self, _g: &Graph, id: NodeId) -> bool {
+        self.nodes.contains(&id)
+    }
+
+    fn orders(&self) -> bool {
+        self.kernels
+    }
 }
