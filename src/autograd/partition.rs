@@ -97,37 +97,6 @@ impl Split {
     }
 }
 
-/// Ops cheap enough to recompute in the backward graph under
-/// [`SavePolicy::RecomputeElementwise`].
-fn is_cheap(op: &Op) -> bool {
-    match op {
-        Op::Unary(_)
-        | Op::Binary(_)
-        | Op::Compare(_)
-        | Op::Select
-        | Op::Convert(_)
-        | Op::Broadcast { .. }
-        | Op::Reshape(_)
-        | Op::Transpose(_)
-        | Op::Reverse(_)
-        | Op::Slice { .. }
-        | Op::Pad { .. }
-        | Op::Concat { .. }
-        | Op::Constant(_)
-        | Op::Iota { .. } => true,
-        Op::Input(_)
-        | Op::DotGeneral(_)
-        | Op::Reduce { .. }
-        | Op::ReduceWindow { .. }
-        | Op::SelectAndScatter(_)
-        | Op::Conv(_)
-        | Op::Take { .. }
-        | Op::ScatterAdd { .. }
-        | Op::AllReduce(_)
-        | Op::Barrier => false,
-    }
-}
-
 /// The recompute planner of [`SavePolicy::RecomputeElementwise`].
 struct Recompute<'a> {
     joint: &'a Graph,
@@ -153,7 +122,7 @@ impl Recompute<'_> {
     }
 
     fn recomputable(&self, v: NodeId) -> bool {
-        is_cheap(&self.joint.node(v).op)
+        self.joint.node(v).op.is_elementwise_or_layout()
             && !self.rng_dep.contains(&v)
             && !self.fwd_outputs.contains(&v)
     }

@@ -544,6 +544,40 @@ impl Op {
         }
     }
 
+    /// Is this an elementwise op, a layout op (reshape, transpose, slice, pad, concatenation,
+    /// reversal) or a constant: cheap to compute again from its operands, what a fusing
+    /// compiler inlines into its consumers? Recomputing training steps recompute these in the
+    /// backward graph (`SavePolicy::RecomputeElementwise`); the XLA lowering finds the chains
+    /// XLA would recompute through them (`backend/xla/materialize.rs`).
+    pub fn is_elementwise_or_layout(&self) -> bool {
+        match self {
+            Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Compare(_)
+            | Op::Select
+            | Op::Convert(_)
+            | Op::Broadcast { .. }
+            | Op::Reshape(_)
+            | Op::Transpose(_)
+            | Op::Reverse(_)
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::Concat { .. }
+            | Op::Constant(_)
+            | Op::Iota { .. } => true,
+            Op::Input(_)
+            | Op::DotGeneral(_)
+            | Op::Reduce { .. }
+            | Op::ReduceWindow { .. }
+            | Op::SelectAndScatter(_)
+            | Op::Conv(_)
+            | Op::Take { .. }
+            | Op::ScatterAdd { .. }
+            | Op::AllReduce(_)
+            | Op::Barrier => false,
+        }
+    }
+
     /// Short name of the op, as printed.
     pub fn name(&self) -> &'static str {
         match self {

@@ -10,35 +10,14 @@
 //! Zen 2 the deepest fusion alone took 18 % of the program's samples). Pre-LN transformers (vit)
 //! and the zoo's CNNs did not show it (at most 7 operands a fusion).
 //!
-//! [`values_to_materialize`] picks the values that link such chains; the lowering passes each
+//! Fusible here means [`Op::is_elementwise_or_layout`]: the ops XLA inlines into consumers
+//! (reductions, gathers and products end a chain). [`values_to_materialize`] picks the values that link such chains; the lowering passes each
 //! through kiln's identity call (`kiln_after_v1`, which XLA cannot fuse through; the result
 //! aliases its operand's buffer, so nothing is copied) and its consumers read the written
 //! value.
 
 use crate::ir::{Graph, NodeId, Op};
 use std::collections::HashSet;
-
-/// Can XLA fuse a node of this op into its consumers (an elementwise or layout op)? Ops it
-/// would not duplicate (reductions, gathers, products) end a chain.
-fn fusible(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Constant(_)
-            | Op::Iota { .. }
-            | Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Compare(_)
-            | Op::Select
-            | Op::Convert(_)
-            | Op::Broadcast { .. }
-            | Op::Reshape(_)
-            | Op::Transpose(_)
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Pad { .. }
-            | Op::Reverse(_)
-    )
-}
 
 /// Does a consumer of this op make XLA write its operands to memory (XLA fuses nothing into
 /// it)?
@@ -58,7 +37,9 @@ fn writes_operands(op: &Op) -> bool {
 /// convolution, another unfusible op, directly or through a reshape; or the program's
 /// result) and read by another that XLA would fuse it into (an elementwise op or a reduction)?
 fn shared(g: &Graph, id: NodeId, outputs: &HashSet<NodeId>) -> bool {
-    if !fusible(&g.node(id).op) || matches!(g.node(id).op, Op::Constant(_) | Op::Iota { .. }) {
+    if !g.node(id).op.is_elementwise_or_layout()
+        || matches!(g.node(id).op, Op::Constant(_) | Op::Iota { .. })
+    {
         return false;
     }
     let users = g.users(id);
@@ -74,7 +55,8 @@ fn shared(g: &Graph, id: NodeId, outputs: &HashSet<NodeId>) -> bool {
     written
         && users.iter().any(|&u| {
             let op = &g.node(u).op;
-            (fusible(op) && !view_for_writer(u)) || matches!(op, Op::Reduce { .. })
+            (op.is_elementwise_or_layout() && !view_for_writer(u))
+                || matches!(op, Op::Reduce { .. })
         })
 }
 
@@ -109,7 +91,7 @@ fn reaches_shared(g: &Graph, id: NodeId, is_shared: &HashSet<NodeId>) -> bool {
         if is_shared.contains(&p) {
             return true;
         }
-        if fusible(&g.node(p).op) {
+        if g.node(p).op.is_elementwise_or_layout() {
             stack.extend(g.node(p).operands.iter().copied());
         }
     }
