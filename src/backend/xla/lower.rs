@@ -320,7 +320,6 @@ impl<'g> Emitter<'g> {
         }
     }
 
-    /// `  %res = "op"(args) {attrs} : (arg types) -> result type`
     /// Passes node `id`'s value through kiln's identity call (the ordering call with no other
     /// operand), which XLA cannot fuse through: its consumers read the value written once
     /// instead of computing it again (see the `materialize` module). The call's result is the
@@ -347,6 +346,7 @@ impl<'g> Emitter<'g> {
         self.names.insert(id, res);
     }
 
+    /// `  %res = "op"(args) {attrs} : (arg types) -> result type`
     fn generic(
         &mut self,
         res: &str,

@@ -11,10 +11,10 @@
 //! and the zoo's CNNs did not show it (at most 7 operands a fusion).
 //!
 //! Fusible here means [`Op::is_elementwise_or_layout`]: the ops XLA inlines into consumers
-//! (reductions, gathers and products end a chain). [`values_to_materialize`] picks the values that link such chains; the lowering passes each
-//! through kiln's identity call (`kiln_after_v1`, which XLA cannot fuse through; the result
-//! aliases its operand's buffer, so nothing is copied) and its consumers read the written
-//! value.
+//! (reductions, gathers and products end a chain). [`values_to_materialize`] picks the values
+//! that link such chains; the lowering passes each through kiln's identity call
+//! (`kiln_after_v1`, which XLA cannot fuse through; the result aliases its operand's buffer, so
+//! nothing is copied) and its consumers read the written value.
 
 use crate::ir::{Graph, NodeId, Op};
 use std::collections::HashSet;

@@ -496,7 +496,7 @@ impl XlaBackend {
                     .rewritten_variant(&g.fingerprint())
                     .unwrap_or(Variant::Tuned);
                 let choices = self.variant_choices(&g, v, &|_| false)?;
-                return lower::lower_with(&g, &ffi_nodes(&choices, self.has_kernels()));
+                return lower::lower_with(&g, &chosen_kernels(&choices, self.has_kernels()));
             }
             None => Variant::Rule,
         };
@@ -510,9 +510,9 @@ impl XlaBackend {
             WidenHalf.run(&mut g)?;
             self.apply_variant(&mut g, variant, &|_| false)?;
             let choices = self.variant_choices(&g, variant, &|_| false)?;
-            lower::lower_with(&g, &ffi_nodes(&choices, self.has_kernels()))
+            lower::lower_with(&g, &chosen_kernels(&choices, self.has_kernels()))
         } else {
-            lower::lower_with(graph, &ffi_nodes(&choices, self.has_kernels()))
+            lower::lower_with(graph, &chosen_kernels(&choices, self.has_kernels()))
         }
     }
 
@@ -715,7 +715,7 @@ impl XlaBackend {
                 let choices = self.variant_choices(&g, *v, &|_| false)?;
                 let mut exe = self.compile_mlir(&lower::lower_with(
                     &g,
-                    &ffi_nodes(&choices, self.has_kernels()),
+                    &chosen_kernels(&choices, self.has_kernels()),
                 )?)?;
                 // As a compiled function's executable: frozen variables key packed weights,
                 // which later runs reuse (else every run would pack them afresh).
@@ -1277,7 +1277,7 @@ fn weight_inputs(graph: &Graph) -> pjrt::WeightInputs {
 /// The nodes chosen for libtorch kernels, as the lowering's selection; `kernels` says whether
 /// kiln's kernels are in the plugin (so that the lowering may also emit its own calls, the
 /// ordering and identity calls).
-fn ffi_nodes(choices: &[autotune::Chosen], kernels: bool) -> ChosenKernels {
+fn chosen_kernels(choices: &[autotune::Chosen], kernels: bool) -> ChosenKernels {
     ChosenKernels {
         nodes: choices
             .iter()
@@ -1288,7 +1288,8 @@ fn ffi_nodes(choices: &[autotune::Chosen], kernels: bool) -> ChosenKernels {
     }
 }
 
-/// The selection [`ffi_nodes`] makes: which nodes are kernels, and whether the plugin has them.
+/// The selection [`chosen_kernels`] makes: which nodes are kernels, and whether the plugin has
+/// them.
 struct ChosenKernels {
     nodes: HashSet<NodeId>,
     kernels: bool,
