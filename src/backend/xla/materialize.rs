@@ -1,8 +1,8 @@
 //! Values XLA would compute again in every consumer, and the lowering keeps written once.
 //!
 //! XLA's CPU compiler fuses a cheap elementwise producer into each of its consumers, also when
-//! another consumer (a product, a convolution, a custom call, the program's result) makes it
-//! write the value to memory anyway. For one value that costs a few operations an element;
+//! another consumer (a product, a convolution, a custom call) makes it write the value to
+//! memory anyway. For one value that costs a few operations an element;
 //! along a chain of such values it compounds. In a post-LN transformer (bert) each layer
 //! norm's output feeds the next product and, through the residual add, the next layer norm: XLA
 //! fused every earlier layer norm, back to the embeddings, into each layer norm's fusions
@@ -34,11 +34,15 @@ fn writes_operands(op: &Op) -> bool {
 }
 
 /// Is `id` a shared value: fusible, written to memory for one consumer (a product, a
-/// convolution, another unfusible op, directly or through a reshape; or the program's
-/// result) and read by another that XLA would fuse it into (an elementwise op or a reduction)?
+/// convolution, another unfusible op, directly or through a reshape) and read by another that
+/// XLA would fuse it into (an elementwise op or a reduction)? The program's results are left
+/// as XLA writes them: a result donated to an input's buffer (a training step's updated
+/// weight) is written into that buffer, which a call in between would prevent (XLA would copy
+/// the weight).
 fn shared(g: &Graph, id: NodeId, outputs: &HashSet<NodeId>) -> bool {
     if !g.node(id).op.is_elementwise_or_layout()
         || matches!(g.node(id).op, Op::Constant(_) | Op::Iota { .. })
+        || outputs.contains(&id)
     {
         return false;
     }
@@ -48,10 +52,9 @@ fn shared(g: &Graph, id: NodeId, outputs: &HashSet<NodeId>) -> bool {
         matches!(g.node(u).op, Op::Reshape(_))
             && g.users(u).iter().all(|&v| writes_operands(&g.node(v).op))
     };
-    let written = outputs.contains(&id)
-        || users
-            .iter()
-            .any(|&u| writes_operands(&g.node(u).op) || view_for_writer(u));
+    let written = users
+        .iter()
+        .any(|&u| writes_operands(&g.node(u).op) || view_for_writer(u));
     written
         && users.iter().any(|&u| {
             let op = &g.node(u).op;
@@ -155,6 +158,14 @@ mod tests {
         let s = g.add(Op::Binary(BinaryOp::Add), &[y, p]).unwrap();
         g.set_outputs(vec![s]).unwrap();
         assert!(shared(&g, y, &g.outputs().iter().copied().collect()));
+        assert!(values_to_materialize(&g).is_empty());
+    }
+
+    #[test]
+    fn a_result_is_never_passed_through_the_call() {
+        // The chain's links are also results (as a training step's updated state is).
+        let (mut g, links) = chain(4);
+        g.set_outputs(links.clone()).unwrap();
         assert!(values_to_materialize(&g).is_empty());
     }
 
