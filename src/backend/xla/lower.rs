@@ -330,20 +330,26 @@ impl<'g> Emitter<'g> {
         };
         let ty = &self.g.node(id).ty;
         let res = format!("%w{}", id.index());
+        self.after_call(&res, &[&value], &[ty], &[tensor_type(ty)], ty);
+        self.names.insert(id, res);
+    }
+
+    /// `res = kiln_after_v1(args)`: kiln's ordering call, whose result is operand 0 in operand
+    /// 0's buffer (an ordering barrier, or with one operand the identity `written_once` uses).
+    fn after_call(
+        &mut self,
+        res: &str,
+        args: &[&str],
+        operands: &[&TensorType],
+        arg_tys: &[String],
+        out: &TensorType,
+    ) {
         let attrs = format!(
             "{}, {ALIASES_OPERAND_0}",
-            kernels::custom_call_attrs(kernels::AFTER_TARGET, "", &[ty], ty)
+            kernels::custom_call_attrs(kernels::AFTER_TARGET, "", operands, out)
         );
-        let t = tensor_type(ty);
-        self.generic(
-            &res,
-            "stablehlo.custom_call",
-            &[&value],
-            std::slice::from_ref(&t),
-            &attrs,
-            &t,
-        );
-        self.names.insert(id, res);
+        let out_ty = tensor_type(out);
+        self.generic(res, "stablehlo.custom_call", args, arg_tys, &attrs, &out_ty);
     }
 
     /// `  %res = "op"(args) {attrs} : (arg types) -> result type`
@@ -768,19 +774,8 @@ impl<'g> Emitter<'g> {
                 // copy insertion): the result is operand 0, in operand 0's buffer.
                 let operands: Vec<&TensorType> =
                     n.operands.iter().map(|&o| &self.g.node(o).ty).collect();
-                let attrs = format!(
-                    "{}, {ALIASES_OPERAND_0}",
-                    kernels::custom_call_attrs(kernels::AFTER_TARGET, "", &operands, &n.ty)
-                );
                 let args: Vec<&str> = args.iter().map(String::as_str).collect();
-                self.generic(
-                    &res,
-                    "stablehlo.custom_call",
-                    &args,
-                    &arg_tys,
-                    &attrs,
-                    &out_ty,
-                )
+                self.after_call(&res, &args, &operands, &arg_tys, &n.ty)
             }
         }
         self.names.insert(id, res);

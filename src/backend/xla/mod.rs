@@ -480,7 +480,7 @@ impl XlaBackend {
     /// [`Lowering::Ffi`] (see [`XlaBackend::choices`]).
     pub fn lower(&self, graph: &Graph) -> Result<String> {
         let barrier = |id| graph.node(id).op == crate::ir::Op::Barrier;
-        if self.effective_ffi() == FfiMode::Off && graph.petgraph().node_indices().any(barrier) {
+        if !self.has_kernels() && graph.petgraph().node_indices().any(barrier) {
             // As `rewrite` does: the ordering call is one of the kernels.
             let mut g = graph.clone();
             StripBarriers.run(&mut g)?;
@@ -1066,7 +1066,7 @@ impl Backend for XlaBackend {
         // Lets XLA update an embedding in place under plain SGD (see the pass).
         ScaleScatterUpdates.run(graph)?;
         // The ordering barriers lower to one of kiln's kernels; without them, no order.
-        if self.effective_ffi() == FfiMode::Off {
+        if !self.has_kernels() {
             StripBarriers.run(graph)?;
         }
         if !self.autotuning() {
