@@ -24,10 +24,11 @@ pub use replicated::{Replicated, ReplicatedBuffer};
 
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
-use crate::ir::{DType, Fingerprint, Graph, InputKind, NodeId, TensorType};
+use crate::ir::{DType, Fingerprint, Graph, InputKind, NodeId, Op, TensorType};
 use crate::passes::{im2col_nodes, Pass, ScaleScatterUpdates, StripBarriers, WidenHalf};
 use autotune::{Caps, GraphChoice, Source, Tuner, Variant};
 use parking_lot::Mutex;
+use pjrt::handoff::TeamUse;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -121,6 +122,7 @@ impl XlaExecutable {
 
     fn new(mut exe: pjrt::LoadedExecutable, graph: &Graph, mlir: String) -> Self {
         exe.set_weight_inputs(weight_inputs(graph));
+        exe.set_team_use(team_use(graph));
         XlaExecutable {
             exe,
             inputs: graph
@@ -720,6 +722,7 @@ impl XlaBackend {
                 // As a compiled function's executable: frozen variables key packed weights,
                 // which later runs reuse (else every run would pack them afresh).
                 exe.set_weight_inputs(weight_inputs(&g));
+                exe.set_team_use(team_use(&g));
                 Ok(exe)
             })();
             match built {
@@ -1272,6 +1275,25 @@ fn weight_inputs(graph: &Graph) -> pjrt::WeightInputs {
         Vec::new()
     };
     pjrt::WeightInputs { sources, donated }
+}
+
+/// How a program's kernels use the OpenMP team of the thread that launches it and serves
+/// them: a training program's kernels (one that computes gradients,
+/// [`kernels::computes_gradients`]) let it pause when idle under [`kernels::IdlePause::Training`],
+/// other programs' kernels keep it spinning, and a program without convolutions or products
+/// has no kernels to say anything of.
+pub(crate) fn team_use(graph: &Graph) -> TeamUse {
+    let products = graph
+        .petgraph()
+        .node_indices()
+        .any(|id| matches!(graph.node(id).op, Op::Conv(_) | Op::DotGeneral(_)));
+    if !products {
+        TeamUse::None
+    } else if kernels::computes_gradients(graph) {
+        TeamUse::Pausing
+    } else {
+        TeamUse::Spinning
+    }
 }
 
 /// The nodes chosen for libtorch kernels, as the lowering's selection; `kernels` says whether

@@ -74,7 +74,7 @@ pub use packed_linear::PACKED_LINEAR_TARGET;
 pub use threads::{
     handoff, idle_pause, local_max_flops, process_cpus, reset_stats, serialized, set_handoff,
     set_idle_pause, set_local_max_flops, set_serialized, set_threads, stats, threads, torch_lock,
-    KernelGuard, KernelStats,
+    IdlePause, KernelGuard, KernelStats,
 };
 pub use weights::{clear_weight_cache, weight_cache_stats, WeightCacheStats};
 

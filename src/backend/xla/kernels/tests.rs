@@ -2,7 +2,8 @@
 //! reference.
 
 use super::*;
-use crate::backend::xla::{XlaBackend, XlaOptions};
+use crate::backend::xla::pjrt::handoff::TeamUse;
+use crate::backend::xla::{team_use, XlaBackend, XlaOptions};
 use std::sync::OnceLock;
 use tch::Tensor;
 
@@ -188,6 +189,17 @@ fn one_cpu_rule_hands_training_products_to_libtorch() {
     g.set_outputs(vec![y, z]).unwrap();
     // Forward only: the same choices on one CPU as on two (these small ones stay in XLA).
     assert!(!computes_gradients(&g));
+    // An inference program's kernels keep the serving thread's OpenMP team spinning; a
+    // program without products (an optimizer's update) has no kernels to say anything of.
+    assert_eq!(team_use(&g), TeamUse::Spinning);
+    let mut update = Graph::new();
+    let p = update.add_input(InputKind::Parameter, "p", TensorType::new(DType::F32, [4]));
+    let d = update.add_input(InputKind::Data, "d", TensorType::new(DType::F32, [4]));
+    let next = update
+        .add(Op::Binary(crate::ir::BinaryOp::Sub), &[p, d])
+        .unwrap();
+    update.set_outputs(vec![next]).unwrap();
+    assert_eq!(team_use(&update), TeamUse::None);
     let two = rule_selection_on(&g, FfiMode::Auto, Some(2));
     assert_eq!(rule_selection_on(&g, FfiMode::Auto, Some(1)), two);
     assert!(!two.contains(&y));
@@ -200,6 +212,7 @@ fn one_cpu_rule_hands_training_products_to_libtorch() {
     outs.extend(gy.into_iter().chain(gz).flatten());
     g.set_outputs(outs).unwrap();
     assert!(computes_gradients(&g));
+    assert_eq!(team_use(&g), TeamUse::Pausing);
     let all: HashSet<NodeId> = products(&g).collect();
     assert!(all.len() >= 5, "{} products", all.len());
     let one = rule_selection_on(&g, FfiMode::Auto, Some(1));

@@ -70,30 +70,59 @@ pub fn handoff() -> bool {
     handoff::enabled()
 }
 
-/// After how long without a kernel job a waiting thread stops its OpenMP team (`None`:
-/// never, the default; `KILN_OMP_PAUSE_US` sets it too, in µs or `off`).
+/// When a thread waiting for an execution's results, having run kernels handed to it, stops
+/// its OpenMP team ([`set_idle_pause`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdlePause {
+    /// Never. The default.
+    Never,
+    /// After 200 µs without a kernel job where the thread's latest launch with convolutions or
+    /// products was a training program's (one that computes gradients); never for the others
+    /// (inference, whose kernels follow each other closely).
+    Training,
+    /// After this long without a kernel job, whatever the program.
+    After(std::time::Duration),
+}
+
+/// Sets when a waiting thread stops its OpenMP team after running kernels (default
+/// [`IdlePause::Never`]; `KILN_OMP_PAUSE_US` sets it too: µs, `off` or `training`).
 ///
 /// Why: after a kernel, libgomp's team threads spin for milliseconds waiting for the next
 /// parallel region (OpenMP's default wait policy), on the CPUs XLA's workers need for the
 /// elementwise work between kernels (perf of a mobilenet_v2 training loop on 2 vCPUs: 34 % of
-/// samples in libgomp's spin). A waiting thread that has run kernels and then gets no job for
-/// this long calls `omp_pause_resource_all`, which ends its team's threads; the next kernel
+/// samples in libgomp's spin; of vit's fused step with every product a kernel, on a Zen 2,
+/// 20 % in the team thread's spin). A waiting thread that has run kernels and then gets no job
+/// for this long calls `omp_pause_resource_all`, which ends its team's threads; the next kernel
 /// starts new ones, whose per-thread state (oneDNN's scratchpads among it) is made anew.
 /// Measured on a 2-vCPU Zen 5, interleaved in one process, never / after 300 µs: fused
 /// training steps of squeezenet1_1 18.6 / 17.5 and 19.9 / 16.2 ms, mobilenet_v2 75.2 / 66.7
 /// and 70.8 / 64.2, resnet18 64.5 / 67.2 and 68.7 / 67.6; but inference, where kernels
 /// follow each other closely (the harness, two runs each): geomean over squeezenet1_1,
-/// mnasnet1_0 and vit 1.38× / 0.86× and 1.33× / 0.96× of eager. Hence off by default.
-pub fn set_idle_pause(after: Option<std::time::Duration>) {
-    let us = after.map_or(u64::MAX, |d| d.as_micros().min(u64::MAX as u128 - 1) as u64);
+/// mnasnet1_0 and vit 1.38× / 0.86× and 1.33× / 0.96× of eager; hence [`IdlePause::Training`].
+/// Not the default, as the measurements disagree: on a 2-vCPU Zen 2, alternating processes
+/// of 10 steps, split / fused ms, never against after 200 µs: resnet18 89.1 / 91.5 and
+/// 92.7 / 101.8 against 84.2 / 80.6 and 85.8 / 84.0; resnet50 186.6 / 200.3 and 197.2 /
+/// 213.2 against 184.1 / 192.0 and 190.1 / 196.5; resnext50_32x4d 214.2 / 237.0 and 227.5 /
+/// 250.5 against 201.1 / 212.1 and 203.9 / 210.9; mobilenet_v2 and squeezenet1_1 level; but
+/// two alternating harness runs of four training models there, [`IdlePause::Training`] /
+/// never, geomean split / fused: 0.85 / 0.83 against 0.92 / 0.93, then 0.97 / 0.94 against
+/// 0.90 / 0.90 (each model moving up to 30 % between runs either way), and on a Xeon a
+/// 300 µs pause in training, harness, six models: 0.90 / 0.87 against 0.93 / 0.91.
+pub fn set_idle_pause(pause: IdlePause) {
+    let us = match pause {
+        IdlePause::Never => u64::MAX,
+        IdlePause::Training => handoff::PAUSE_TRAINING,
+        IdlePause::After(d) => d.as_micros().min(handoff::PAUSE_TRAINING as u128 - 1) as u64,
+    };
     handoff::IDLE_PAUSE_US.store(us, Ordering::Relaxed);
 }
 
 /// See [`set_idle_pause`].
-pub fn idle_pause() -> Option<std::time::Duration> {
+pub fn idle_pause() -> IdlePause {
     match handoff::IDLE_PAUSE_US.load(Ordering::Relaxed) {
-        u64::MAX => None,
-        us => Some(std::time::Duration::from_micros(us)),
+        u64::MAX => IdlePause::Never,
+        handoff::PAUSE_TRAINING => IdlePause::Training,
+        us => IdlePause::After(std::time::Duration::from_micros(us)),
     }
 }
 

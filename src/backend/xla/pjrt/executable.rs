@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::api::ApiInner;
 use super::buffer::{Buffer, Completion};
 use super::client::ClientInner;
+use super::handoff::TeamUse;
 use super::sys::{self, Args};
 use crate::error::{Error, Result};
 use smallvec::SmallVec;
@@ -24,6 +25,8 @@ pub struct LoadedExecutable {
     /// The arguments whose addresses key packed weights (see [`Buffer::mark_weight_source`]),
     /// and the arguments the program donates.
     weight_inputs: WeightInputs,
+    /// How its kernels use the launching thread's OpenMP team ([`TeamUse`]).
+    team: TeamUse,
 }
 
 /// Which arguments of an executable read variables whose addresses may key packed weights
@@ -93,6 +96,7 @@ impl LoadedExecutable {
             raw,
             num_outputs: 0,
             weight_inputs: WeightInputs::default(),
+            team: TeamUse::None,
         };
         let inner = exe.executable()?;
         let mut args = sys::PJRT_Executable_NumOutputs_Args::new();
@@ -110,6 +114,12 @@ impl LoadedExecutable {
     /// weight cache and the sources registered with it (`kernels::weights`).
     pub(crate) fn set_weight_inputs(&mut self, inputs: WeightInputs) {
         self.weight_inputs = inputs;
+    }
+
+    /// Declares how the program's kernels use the OpenMP team of the thread that launches it
+    /// and then serves them (see `handoff::TeamUse`; [`TeamUse::None`] until set).
+    pub(crate) fn set_team_use(&mut self, team: TeamUse) {
+        self.team = team;
     }
 
     fn executable(&self) -> Result<ExecutableRef<'_>> {
@@ -259,7 +269,7 @@ impl LoadedExecutable {
         // events (owned by kiln afterwards); `options` outlives the call. The lists may be
         // inline in `arg_ptrs` and `outputs`, which are neither moved nor dropped before the
         // call returns (and `outputs` is read only after it).
-        let err = super::handoff::launching(|| unsafe {
+        let err = super::handoff::launching(self.team, || unsafe {
             (api.fns.PJRT_LoadedExecutable_Execute)(&mut exec)
         });
         for (list, &event) in args.iter().zip(&done) {

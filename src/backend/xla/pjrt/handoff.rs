@@ -15,8 +15,9 @@
 //! that thread ran it; otherwise (the program runs on the caller's thread inside `Execute`,
 //! or nobody waits) it runs the job itself. A serving thread leaves only with the queue
 //! empty, checked under the same lock, so no job is stranded. A serving thread that ran jobs
-//! and then waits longer than `IDLE_PAUSE_US` for the next ends its OpenMP team, whose
-//! threads would otherwise spin on the CPUs XLA's workers use (`kernels::set_idle_pause`).
+//! and then waits longer than its idle pause for the next ends its OpenMP team, whose
+//! threads would otherwise spin on the CPUs XLA's workers use (`kernels::set_idle_pause`; off
+//! by default, or only while it waits for training programs, [`TeamUse`]).
 //!
 //! Small kernels are not handed over ([`run_kernel`]): they run where XLA calls them, with
 //! libtorch on one thread, as the two wake-ups of a handover cost more than a second
@@ -212,7 +213,7 @@ impl Handoff {
                 break;
             }
             if ran {
-                let us = IDLE_PAUSE_US.load(Ordering::Relaxed);
+                let us = idle_pause_us();
                 if us < u64::MAX {
                     let timed_out = us == 0
                         || self
@@ -251,11 +252,36 @@ thread_local! {
     static LAUNCHING: Cell<bool> = const { Cell::new(false) };
     /// Whether [`serial_libtorch_here`] already ran on this thread.
     static SERIAL: Cell<bool> = const { Cell::new(false) };
+    /// Whether the latest launch on this thread with convolutions or products was a training
+    /// program's ([`TeamUse`]).
+    static TRAINING_LAUNCHED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// How an executable's kernels use the serving thread's OpenMP team, for the idle pause of
+/// training programs ([`IdlePause::Training`](crate::backend::xla::kernels::IdlePause::Training)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum TeamUse {
+    /// No convolution or product: no kernel the launch could hand over; the thread keeps
+    /// what its earlier launches said (a split training step's optimizer program).
+    #[default]
+    None,
+    /// Kernels that follow each other closely (inference): the team keeps spinning.
+    Spinning,
+    /// A training program's kernels, between which XLA's fusions need the CPUs: the team
+    /// pauses when idle.
+    Pausing,
 }
 
 /// Runs `f` (a `PJRT_LoadedExecutable_Execute` call) with this thread marked as the one
-/// launching executions: kernels XLA runs in place during the call run directly.
-pub(crate) fn launching<R>(f: impl FnOnce() -> R) -> R {
+/// launching executions: kernels XLA runs in place during the call run directly. `team`
+/// (the executable's) sets whether this thread, serving afterwards, pauses its OpenMP team
+/// when idle under `IdlePause::Training`.
+pub(crate) fn launching<R>(team: TeamUse, f: impl FnOnce() -> R) -> R {
+    match team {
+        TeamUse::None => {}
+        TeamUse::Spinning => TRAINING_LAUNCHED.set(false),
+        TeamUse::Pausing => TRAINING_LAUNCHED.set(true),
+    }
     struct Reset(bool);
     impl Drop for Reset {
         fn drop(&mut self) {
@@ -389,18 +415,46 @@ pub(crate) fn set_local_max_flops(flops: f64) {
 }
 
 /// After how many µs without a job a serving thread that ran kernels stops its OpenMP team
-/// (`u64::MAX`: never); see `kernels::set_idle_pause`.
+/// (`u64::MAX`: never, the default; [`PAUSE_TRAINING`]: after [`TRAINING_PAUSE_US`] where the
+/// thread's latest launch was a training program's, else never); see
+/// `kernels::set_idle_pause`.
 pub(crate) static IDLE_PAUSE_US: AtomicU64 = AtomicU64::new(u64::MAX);
 
-/// Reads `KILN_OMP_PAUSE_US` (µs, or `off`), once.
+/// [`IDLE_PAUSE_US`]'s value for a pause while serving training programs only.
+pub(crate) const PAUSE_TRAINING: u64 = u64::MAX - 1;
+
+/// The idle pause of a thread serving a training program's kernels under [`PAUSE_TRAINING`], µs.
+pub(crate) const TRAINING_PAUSE_US: u64 = 200;
+
+/// This thread's idle pause now, µs (`u64::MAX`: never).
+fn idle_pause_us() -> u64 {
+    pause_us(
+        IDLE_PAUSE_US.load(Ordering::Relaxed),
+        TRAINING_LAUNCHED.get(),
+    )
+}
+
+/// The idle pause under `setting` (an [`IDLE_PAUSE_US`] value) of a thread whose latest launch
+/// with products was a training program's (`training`) or not.
+fn pause_us(setting: u64, training: bool) -> u64 {
+    match setting {
+        PAUSE_TRAINING if training => TRAINING_PAUSE_US,
+        PAUSE_TRAINING => u64::MAX,
+        us => us,
+    }
+}
+
+/// Reads `KILN_OMP_PAUSE_US` (µs, `off`, the default, or `training`), once.
 fn idle_pause_from_env() {
     static READ: OnceLock<()> = OnceLock::new();
     READ.get_or_init(|| {
         if let Ok(v) = std::env::var("KILN_OMP_PAUSE_US") {
             let us = if v.eq_ignore_ascii_case("off") {
                 Some(u64::MAX)
+            } else if v.eq_ignore_ascii_case("training") {
+                Some(PAUSE_TRAINING)
             } else {
-                v.parse::<u64>().ok().map(|u| u.min(u64::MAX - 1))
+                v.parse::<u64>().ok().map(|u| u.min(PAUSE_TRAINING - 1))
             };
             if let Some(us) = us {
                 IDLE_PAUSE_US.store(us, Ordering::Relaxed);
@@ -506,11 +560,11 @@ mod tests {
     }
 
     #[test]
-    fn jobs_after_an_idle_pause_still_run_on_the_serving_thread() {
+    fn jobs_after_a_long_wait_still_run_on_the_serving_thread() {
         let (h, ready, server) = served();
         let first = h.run(|| thread::current().id());
-        // Longer than the default idle pause: the server stops its (here absent or empty)
-        // OpenMP team in between and keeps serving.
+        // Longer than a training program's idle pause (which this server, having launched
+        // nothing, would not take anyway): it keeps serving.
         thread::sleep(Duration::from_millis(5));
         let second = h.run(|| (0..1000).map(f64::from).sum::<f64>());
         ready.store(true, Ordering::Relaxed);
@@ -518,6 +572,30 @@ mod tests {
         assert_eq!(server.join().unwrap(), first);
         assert_eq!(second, 499_500.0);
         assert_eq!(h.handed_over(), 2);
+    }
+
+    #[test]
+    fn the_training_pause_follows_the_latest_launch_with_products() {
+        // A thread of its own: the launch marks are per thread.
+        thread::spawn(|| {
+            let pause = || pause_us(PAUSE_TRAINING, TRAINING_LAUNCHED.get());
+            assert_eq!(pause(), u64::MAX, "nothing launched yet");
+            launching(TeamUse::Pausing, || ());
+            assert_eq!(pause(), TRAINING_PAUSE_US);
+            // A split step's optimizer program (no products) keeps the training mark.
+            launching(TeamUse::None, || ());
+            assert_eq!(pause(), TRAINING_PAUSE_US);
+            launching(TeamUse::Spinning, || ());
+            assert_eq!(pause(), u64::MAX);
+            launching(TeamUse::None, || ());
+            assert_eq!(pause(), u64::MAX);
+            // The other settings hold whatever was launched.
+            launching(TeamUse::Pausing, || ());
+            assert_eq!(pause_us(u64::MAX, TRAINING_LAUNCHED.get()), u64::MAX);
+            assert_eq!(pause_us(300, false), 300);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
