@@ -24,7 +24,7 @@ pub use replicated::{Replicated, ReplicatedBuffer};
 
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
-use crate::ir::{DType, Fingerprint, Graph, InputKind, NodeId, Op, TensorType};
+use crate::ir::{DType, Fingerprint, Graph, InputKind, NodeId, TensorType};
 use crate::passes::{im2col_nodes, Pass, ScaleScatterUpdates, StripBarriers, WidenHalf};
 use autotune::{Caps, GraphChoice, Source, Tuner, Variant};
 use parking_lot::Mutex;
@@ -1283,11 +1283,7 @@ fn weight_inputs(graph: &Graph) -> pjrt::WeightInputs {
 /// other programs' kernels keep it spinning, and a program without convolutions or products
 /// has no kernels to say anything of.
 pub(crate) fn team_use(graph: &Graph) -> TeamUse {
-    let products = graph
-        .petgraph()
-        .node_indices()
-        .any(|id| matches!(graph.node(id).op, Op::Conv(_) | Op::DotGeneral(_)));
-    if !products {
+    if kernels::products(graph).next().is_none() {
         TeamUse::None
     } else if kernels::computes_gradients(graph) {
         TeamUse::Pausing

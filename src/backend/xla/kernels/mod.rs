@@ -644,7 +644,7 @@ pub fn rule_selection_on(g: &Graph, mode: FfiMode, cpus: Option<usize>) -> HashS
 }
 
 /// The convolution and dot nodes of `g`: those a rule chooses a lowering for.
-fn products(g: &Graph) -> impl Iterator<Item = NodeId> + '_ {
+pub(crate) fn products(g: &Graph) -> impl Iterator<Item = NodeId> + '_ {
     g.petgraph()
         .node_indices()
         .filter(|&id| matches!(g.node(id).op, Op::Conv(_) | Op::DotGeneral(_)))

@@ -259,11 +259,10 @@ thread_local! {
 
 /// How an executable's kernels use the serving thread's OpenMP team, for the idle pause of
 /// training programs ([`IdlePause::Training`](crate::backend::xla::kernels::IdlePause::Training)).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum TeamUse {
     /// No convolution or product: no kernel the launch could hand over; the thread keeps
     /// what its earlier launches said (a split training step's optimizer program).
-    #[default]
     None,
     /// Kernels that follow each other closely (inference): the team keeps spinning.
     Spinning,
