@@ -12,7 +12,7 @@ mod common;
 use common::{autograd_conv_layers, conv_cases, conv_graph, floats, run, xla, SplitMix64, FFI};
 use kiln::autograd::vjp;
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::kernels::{AFTER_TARGET, CONV_TARGET, DOT_TARGET};
+use kiln::backend::xla::kernels::{AFTER_TARGET, CONV_TARGET, DOT_TARGET, TRANSPOSE_TARGET};
 use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{
@@ -78,14 +78,25 @@ fn max_err(got: &HostTensor, want: &[f64]) -> f64 {
 /// Checks `g` (f32 or f64) with FFI kernels against XLA native and the float64 reference;
 /// returns `(ffi error, native error)` of the worst output, relative to its scale.
 fn check(what: &str, g: &Graph, ins: &[HostTensor], target: &str) -> (f64, f64) {
-    let lowered = ffi().lower(g).unwrap();
+    check_on(&ffi(), what, g, ins, target)
+}
+
+/// [`check`] with the kernels of `backend`'s FFI mode.
+fn check_on(
+    backend: &XlaBackend,
+    what: &str,
+    g: &Graph,
+    ins: &[HostTensor],
+    target: &str,
+) -> (f64, f64) {
+    let lowered = backend.lower(g).unwrap();
     assert!(
         lowered.contains(target),
         "{what}: the FFI lowering has no {target} custom call:\n{lowered}"
     );
     let ins64: Vec<HostTensor> = ins.iter().map(to_f64).collect();
     let want = run(&EagerBackend::new(), &graph_f64(g), &ins64);
-    let got = run(&ffi(), g, ins);
+    let got = run(backend, g, ins);
     let nat = run(&native(), g, ins);
     let mut worst = (0.0f64, 0.0f64);
     for (j, w) in want.iter().enumerate() {
@@ -254,6 +265,69 @@ fn dot_kernel_matches_xla_and_f64_reference() {
             let (ef, en) = check(&what, &g, &ins, DOT_TARGET);
             println!("{what}: relative error FFI {ef:.2e}, XLA {en:.2e}");
         }
+    }
+}
+
+/// Products whose operand XLA would copy slowly into its canonical layout (rows of 4 KiB: a
+/// weight gradient `dyᵀ · x` of a 1024-wide layer, `x · Wᵀ` of a 1024-wide weight) take it
+/// transposed by kiln's block transpose under the default rule, and match XLA native and the
+/// float64 reference; the lowering without kernels keeps XLA's own copy.
+#[test]
+fn slow_layout_operands_go_through_the_transpose_kernel() {
+    let auto = xla().with_options(XlaOptions::plain().ffi(FfiMode::Auto));
+    let cases: Vec<(DType, Vec<usize>, Vec<usize>, DotDims)> = vec![
+        // dyᵀ · x: the left operand contracts its leading dims; 52 rows (not a multiple of
+        // the kernel's 8-row tiles).
+        (
+            DType::F32,
+            vec![4, 13, 1024],
+            vec![4, 13, 24],
+            dot(&[], &[], &[0, 1], &[0, 1]),
+        ),
+        // x · Wᵀ with W [16, 1024] (few rows on the left: not a libtorch product).
+        (
+            DType::F32,
+            vec![5, 1024],
+            vec![16, 1024],
+            dot(&[], &[], &[1], &[1]),
+        ),
+        // the left operand only, batch dims leading.
+        (
+            DType::F32,
+            vec![2, 16, 1024],
+            vec![2, 3, 16],
+            dot(&[0], &[0], &[1], &[2]),
+        ),
+        // both operands (f64 rows of 512 elements are 4 KiB too).
+        (
+            DType::F64,
+            vec![2, 512, 512],
+            vec![2, 8, 512],
+            dot(&[0], &[0], &[1], &[2]),
+        ),
+        (
+            DType::F64,
+            vec![16, 512],
+            vec![16, 8],
+            dot(&[], &[], &[0], &[0]),
+        ),
+    ];
+    for (i, (dt, a, b, d)) in cases.into_iter().enumerate() {
+        let at = TensorType::new(dt, a.as_slice());
+        let bt = TensorType::new(dt, b.as_slice());
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "a", at.clone());
+        let y = g.add_input(InputKind::Data, "b", bt.clone());
+        let z = g.add(Op::DotGeneral(d.clone()), &[x, y]).unwrap();
+        g.set_outputs(vec![z]).unwrap();
+        assert!(
+            !native().lower(&g).unwrap().contains(TRANSPOSE_TARGET),
+            "case {i}: no kernels, no transpose call"
+        );
+        let ins = [random(&at, 300 + i as u64), random(&bt, 400 + i as u64)];
+        let what = format!("transposed dot {i} {dt} {a:?} {b:?} {d:?}");
+        let (ef, en) = check_on(&auto, &what, &g, &ins, TRANSPOSE_TARGET);
+        println!("{what}: relative error with the transpose {ef:.2e}, XLA {en:.2e}");
     }
 }
 

@@ -353,6 +353,64 @@ impl<'g> Emitter<'g> {
     }
 
     /// `  %res = "op"(args) {attrs} : (arg types) -> result type`
+    /// Writes dot node `id` as a product of operands transposed by kiln's block transpose
+    /// where XLA would copy them slowly ([`kernels::dot_operand_transposes`]); `false` (nothing
+    /// written) for any other node, or when the kernels are not available.
+    fn dot_on_transposed(&mut self, id: NodeId, res: &str, out_ty: &str) -> bool {
+        let n = self.g.node(id);
+        let Op::DotGeneral(d) = &n.op else {
+            return false;
+        };
+        if !self.ffi.transposes() || n.operands.len() != 2 {
+            return false;
+        }
+        let (a, b) = (n.operands[0], n.operands[1]);
+        let Some(t) = kernels::dot_operand_transposes(d, &self.g.node(a).ty, &self.g.node(b).ty)
+        else {
+            return false;
+        };
+        let mut args = Vec::with_capacity(2);
+        let mut tys = Vec::with_capacity(2);
+        for (side, (operand, tr)) in [(a, &t.lhs), (b, &t.rhs)].into_iter().enumerate() {
+            let (name, ty) = (self.name(operand).to_string(), self.ty(operand));
+            let Some(tr) = tr else {
+                args.push(name);
+                tys.push(ty);
+                continue;
+            };
+            let out = tensor_type(&tr.ty);
+            let config = format!("split = array<i64: {}, {}>", tr.split[0], tr.split[1]);
+            let attrs = kernels::custom_call_attrs(
+                kernels::TRANSPOSE_TARGET,
+                &config,
+                &[&self.g.node(operand).ty],
+                &tr.ty,
+            );
+            let t_res = format!("{res}_t{side}");
+            self.generic(
+                &t_res,
+                "stablehlo.custom_call",
+                &[&name],
+                &[ty],
+                &attrs,
+                &out,
+            );
+            args.push(t_res);
+            tys.push(out);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.generic(
+            res,
+            "stablehlo.dot_general",
+            &args,
+            &tys,
+            &dot_attrs(&t.dims),
+            out_ty,
+        );
+        self.names.insert(id, res.to_string());
+        true
+    }
+
     fn generic(
         &mut self,
         res: &str,
@@ -725,7 +783,7 @@ impl<'g> Emitter<'g> {
             .map(|&o| self.name(o).to_string())
             .collect();
         let arg_tys: Vec<String> = n.operands.iter().map(|&o| self.ty(o)).collect();
-        if self.ffi_call(id, &res, &out_ty) {
+        if self.ffi_call(id, &res, &out_ty) || self.dot_on_transposed(id, &res, &out_ty) {
             return;
         }
         match lowering(self.g, n) {

@@ -38,6 +38,10 @@
 //! cores with OpenMP; two at once would oversubscribe them), with libtorch's default thread
 //! count unless [`set_threads`] says otherwise — see [`torch_lock`].
 //!
+//! A third, [`TRANSPOSE_TARGET`], is not libtorch's: kiln's own block transpose of a
+//! product's operand that XLA would otherwise copy into its canonical layout with a strided
+//! loop that is ~10× slow on rows of 4 KiB (the `transpose` module).
+//!
 //! Besides these, fused kernels stand for several nodes each: packed convolutions and linears
 //! on frozen weights with their epilogues (the `packed` and `packed_linear` modules) and
 //! scaled dot-product attention in inference graphs ([`ATTENTION_TARGET`], the `attention`
@@ -57,6 +61,7 @@ mod packed;
 mod packed_linear;
 mod selftest;
 mod threads;
+mod transpose;
 mod view;
 pub(crate) mod weights;
 
@@ -76,6 +81,9 @@ pub use threads::{
     set_idle_pause, set_local_max_flops, set_serialized, set_threads, stats, threads, torch_lock,
     IdlePause, KernelGuard, KernelStats,
 };
+pub use transpose::{
+    dot_operand_transposes, DotOperandTransposes, OperandTranspose, MIN_TRANSPOSE_BYTES,
+};
 pub use weights::{clear_weight_cache, weight_cache_stats, WeightCacheStats};
 
 pub(crate) use after::AfterKernel;
@@ -87,6 +95,7 @@ pub(crate) use dot::DotKernel;
 pub(crate) use packed::{packed_conv, PackedConvKernel};
 pub(crate) use packed_linear::{packed_linear, PackedLinearKernel};
 pub(crate) use selftest::enable;
+pub(crate) use transpose::TransposeKernel;
 
 #[cfg(test)]
 use conv::transposed_weight;
@@ -100,6 +109,9 @@ use std::collections::HashSet;
 pub const CONV_TARGET: &str = "kiln_conv_v1";
 /// The custom call target of kiln's dot kernel.
 pub const DOT_TARGET: &str = "kiln_dot_v1";
+/// The custom call target of kiln's block transpose of a product's operand (the
+/// `transpose` module; [`dot_operand_transposes`]).
+pub const TRANSPOSE_TARGET: &str = "kiln_transpose_v1";
 
 /// Which convolutions and dots the XLA backend hands to libtorch through FFI custom calls.
 ///
@@ -125,12 +137,12 @@ impl FfiMode {
     pub fn key(&self) -> String {
         let rule = match self {
             FfiMode::Off => return "off".into(),
-            FfiMode::All if packed_conv_enabled() => return "all4".into(),
-            FfiMode::All => return "all4-unpacked".into(),
+            FfiMode::All if packed_conv_enabled() => return "all5".into(),
+            FfiMode::All => return "all5-unpacked".into(),
             // The rule's packed linears depend on oneDNN's ISA (`auto_packed_linear`).
-            FfiMode::Auto if !packed_conv_enabled() => "auto12-unpacked",
-            FfiMode::Auto if onednn::avx512() => "auto12-avx512",
-            FfiMode::Auto => "auto12",
+            FfiMode::Auto if !packed_conv_enabled() => "auto13-unpacked",
+            FfiMode::Auto if onednn::avx512() => "auto13-avx512",
+            FfiMode::Auto => "auto13",
         };
         // The rule's training graphs depend on the process's CPUs (`rule_selection`).
         if process_cpus() == Some(1) {
@@ -562,6 +574,14 @@ pub trait FfiSelect {
     /// so they say yes.
     fn orders(&self) -> bool {
         true
+    }
+
+    /// May a product's operand that XLA would re-lay out with its slow strided copy be
+    /// transposed by kiln's block transpose first ([`TRANSPOSE_TARGET`],
+    /// [`dot_operand_transposes`])? Needs the kernels registered, like
+    /// [`FfiSelect::orders`].
+    fn transposes(&self) -> bool {
+        self.orders()
     }
 }
 
