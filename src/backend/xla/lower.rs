@@ -357,16 +357,10 @@ impl<'g> Emitter<'g> {
     /// where XLA would copy them slowly ([`kernels::dot_operand_transposes`]); `false` (nothing
     /// written) for any other node, or when the kernels are not available.
     fn dot_on_transposed(&mut self, id: NodeId, res: &str, out_ty: &str) -> bool {
-        let n = self.g.node(id);
-        let Op::DotGeneral(d) = &n.op else {
-            return false;
-        };
-        if !self.ffi.transposes() || n.operands.len() != 2 {
+        if !self.ffi.transposes() {
             return false;
         }
-        let (a, b) = (n.operands[0], n.operands[1]);
-        let Some(t) = kernels::dot_operand_transposes(d, &self.g.node(a).ty, &self.g.node(b).ty)
-        else {
+        let Some(([a, b], t)) = kernels::dot_operand_transposes_in(self.g, id) else {
             return false;
         };
         let mut args = Vec::with_capacity(2);

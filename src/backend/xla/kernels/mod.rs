@@ -95,7 +95,7 @@ pub(crate) use dot::DotKernel;
 pub(crate) use packed::{packed_conv, PackedConvKernel};
 pub(crate) use packed_linear::{packed_linear, PackedLinearKernel};
 pub(crate) use selftest::enable;
-pub(crate) use transpose::TransposeKernel;
+pub(crate) use transpose::{dot_operand_transposes_in, TransposeKernel};
 
 #[cfg(test)]
 use conv::transposed_weight;

@@ -29,7 +29,7 @@
 use super::TRANSPOSE_TARGET;
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
 use crate::error::{Error, Result};
-use crate::ir::{DType, DotDims, TensorType};
+use crate::ir::{DType, DotDims, Graph, NodeId, Op, TensorType};
 
 /// The handler of [`TRANSPOSE_TARGET`]: operand `[batch..., p..., q...]` (attribute `split =
 /// array<i64: nb, np>`: the number of batch and `p` dims), result `[batch..., q..., p...]`.
@@ -200,6 +200,59 @@ pub fn dot_operand_transposes(
     })
 }
 
+/// [`dot_operand_transposes`] for dot node `id` of `g` as XLA sees it: XLA folds a
+/// transpose that feeds a product into the product's dims (a compiled function's `Linear`
+/// weight stored `[in, out]` reaches its product as such a transpose), so each operand is
+/// followed back through transposes first. Returns the nodes the product then reads (the
+/// operands, or the values under their transposes) with the plan on them; `None` when no
+/// operand qualifies, or when a transpose reorders an operand's free dims (XLA would permute
+/// the result; such products are left to it).
+pub(crate) fn dot_operand_transposes_in(
+    g: &Graph,
+    id: NodeId,
+) -> Option<([NodeId; 2], DotOperandTransposes)> {
+    let n = g.node(id);
+    let (Op::DotGeneral(d), [a, b]) = (&n.op, n.operands.as_slice()) else {
+        return None;
+    };
+    let (a, lhs_batch, lhs_contract) = through_transposes(g, *a, &d.lhs_batch, &d.lhs_contract)?;
+    let (b, rhs_batch, rhs_contract) = through_transposes(g, *b, &d.rhs_batch, &d.rhs_contract)?;
+    let dims = DotDims {
+        lhs_batch,
+        rhs_batch,
+        lhs_contract,
+        rhs_contract,
+    };
+    let plan = dot_operand_transposes(&dims, &g.node(a).ty, &g.node(b).ty)?;
+    Some(([a, b], plan))
+}
+
+/// Follows operand `x` of a product (with `batch` and `contract` dims) back through
+/// transposes: the first node that is not one, and the dims numbers on it; `None` if a
+/// transpose changes the order of the free dims.
+fn through_transposes(
+    g: &Graph,
+    mut x: NodeId,
+    batch: &[usize],
+    contract: &[usize],
+) -> Option<(NodeId, Vec<usize>, Vec<usize>)> {
+    let (mut batch, mut contract) = (batch.to_vec(), contract.to_vec());
+    while let Op::Transpose(perm) = &g.node(x).op {
+        // Dim i of the transpose is dim perm[i] of its operand.
+        let free: Vec<usize> = (0..perm.len())
+            .filter(|i| !batch.contains(i) && !contract.contains(i))
+            .map(|i| perm[i])
+            .collect();
+        if free.windows(2).any(|w| w[0] > w[1]) {
+            return None;
+        }
+        batch = batch.iter().map(|&i| perm[i]).collect();
+        contract = contract.iter().map(|&i| perm[i]).collect();
+        x = g.node(x).operands[0];
+    }
+    Some((x, batch, contract))
+}
+
 /// The transpose of one operand (and the length of its first non-batch block), if it
 /// qualifies (see [`dot_operand_transposes`]). `left`: the left operand (canonical
 /// `[batch, free, contract]`), else the right one (`[batch, contract, free]`).
@@ -349,6 +402,40 @@ mod tests {
         assert_eq!(t.lhs.unwrap().ty.shape.dims(), &[2, 512, 512]);
         assert_eq!(t.rhs.unwrap().ty.shape.dims(), &[2, 512, 8]);
         assert_eq!(t.dims, dims(&[0], &[0], &[2], &[1]));
+    }
+
+    #[test]
+    fn transposes_feeding_a_product_are_looked_through() {
+        use crate::ir::InputKind;
+        // A compiled function's Linear weight stored [in, out] reaches its product as a
+        // transpose, which XLA folds: the product is canonical, nothing to do.
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", f32_ty(&[4, 65, 1024]));
+        let wt = g.add_input(InputKind::Parameter, "wt", f32_ty(&[1024, 256]));
+        let w = g.add(Op::Transpose(vec![1, 0]), &[wt]).unwrap();
+        let y = g
+            .add(Op::DotGeneral(dims(&[], &[], &[2], &[1])), &[x, w])
+            .unwrap();
+        assert!(dot_operand_transposes_in(&g, y).is_none());
+        // The other way round: a transposed weight whose fold leaves the slow layout gets
+        // the kernel on the weight itself.
+        let w2 = g.add_input(InputKind::Parameter, "w2", f32_ty(&[256, 1024]));
+        let t2 = g.add(Op::Transpose(vec![1, 0]), &[w2]).unwrap();
+        let z = g
+            .add(Op::DotGeneral(dims(&[], &[], &[2], &[0])), &[x, t2])
+            .unwrap();
+        let ([a, b], plan) = dot_operand_transposes_in(&g, z).expect("rows of 4 KiB");
+        assert_eq!((a, b), (x, w2));
+        assert_eq!(plan.rhs.unwrap().ty.shape.dims(), &[1024, 256]);
+        assert_eq!(plan.dims, dims(&[], &[], &[2], &[0]));
+        // A transpose that reorders free dims is left to XLA.
+        let h = g.add_input(InputKind::Data, "h", f32_ty(&[8, 16, 1024]));
+        let ht = g.add(Op::Transpose(vec![1, 0, 2]), &[h]).unwrap();
+        let v = g.add_input(InputKind::Data, "v", f32_ty(&[1024, 8]));
+        let u = g
+            .add(Op::DotGeneral(dims(&[], &[], &[2], &[0])), &[ht, v])
+            .unwrap();
+        assert!(dot_operand_transposes_in(&g, u).is_none());
     }
 
     #[test]
