@@ -12,7 +12,9 @@ mod common;
 use common::{autograd_conv_layers, conv_cases, conv_graph, floats, run, xla, SplitMix64, FFI};
 use kiln::autograd::vjp;
 use kiln::backend::eager::EagerBackend;
-use kiln::backend::xla::kernels::{AFTER_TARGET, CONV_TARGET, DOT_TARGET, TRANSPOSE_TARGET};
+use kiln::backend::xla::kernels::{
+    AFTER_TARGET, COLUMN_SUM_TARGET, CONV_TARGET, DOT_TARGET, TRANSPOSE_TARGET,
+};
 use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{
@@ -328,6 +330,42 @@ fn slow_layout_operands_go_through_the_transpose_kernel() {
         let what = format!("transposed dot {i} {dt} {a:?} {b:?} {d:?}");
         let (ef, en) = check_on(&auto, &what, &g, &ins, TRANSPOSE_TARGET);
         println!("{what}: relative error with the transpose {ef:.2e}, XLA {en:.2e}");
+    }
+}
+
+/// Float sums over leading dims (bias gradients) run as kiln's column sum under the default
+/// rule, and match XLA native and the float64 reference; the lowering without kernels keeps
+/// XLA's reduction.
+#[test]
+fn leading_dim_sums_go_through_the_column_sum_kernel() {
+    let auto = xla().with_options(XlaOptions::plain().ffi(FfiMode::Auto));
+    let cases: Vec<(DType, Vec<usize>, Vec<usize>)> = vec![
+        (DType::F32, vec![4, 65, 1024], vec![0, 1]),
+        (DType::F32, vec![64, 24], vec![0]),
+        (DType::F64, vec![40, 3, 7], vec![0]),
+    ];
+    for (i, (dt, dims, axes)) in cases.into_iter().enumerate() {
+        let xt = TensorType::new(dt, dims.as_slice());
+        let mut g = Graph::new();
+        let x = g.add_input(InputKind::Data, "x", xt.clone());
+        let y = g
+            .add(
+                Op::Reduce {
+                    kind: ReduceKind::Sum,
+                    axes: axes.clone(),
+                },
+                &[x],
+            )
+            .unwrap();
+        g.set_outputs(vec![y]).unwrap();
+        assert!(
+            !native().lower(&g).unwrap().contains(COLUMN_SUM_TARGET),
+            "case {i}: no kernels, no column sum"
+        );
+        let ins = [random(&xt, 500 + i as u64)];
+        let what = format!("column sum {i} {dt} {dims:?} over {axes:?}");
+        let (ef, en) = check_on(&auto, &what, &g, &ins, COLUMN_SUM_TARGET);
+        println!("{what}: relative error with the kernel {ef:.2e}, XLA {en:.2e}");
     }
 }
 

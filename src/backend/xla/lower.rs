@@ -357,7 +357,7 @@ impl<'g> Emitter<'g> {
     /// where XLA would copy them slowly ([`kernels::dot_operand_transposes`]); `false` (nothing
     /// written) for any other node, or when the kernels are not available.
     fn dot_on_transposed(&mut self, id: NodeId, res: &str, out_ty: &str) -> bool {
-        if !self.ffi.transposes() {
+        if !self.ffi.own_kernels() {
             return false;
         }
         let Some(([a, b], t)) = kernels::dot_operand_transposes_in(self.g, id) else {
@@ -399,6 +399,37 @@ impl<'g> Emitter<'g> {
             &args,
             &tys,
             &dot_attrs(&t.dims),
+            out_ty,
+        );
+        self.names.insert(id, res.to_string());
+        true
+    }
+
+    /// Writes reduce node `id` as kiln's column sum where it sums over leading dims
+    /// ([`kernels::column_sum_lead`]); `false` (nothing written) for any other node, or when
+    /// the kernels are not available.
+    fn column_sum(&mut self, id: NodeId, res: &str, out_ty: &str) -> bool {
+        if !self.ffi.own_kernels() {
+            return false;
+        }
+        let Some(lead) = kernels::column_sum_lead(self.g, id) else {
+            return false;
+        };
+        let n = self.g.node(id);
+        let x = n.operands[0];
+        let attrs = kernels::custom_call_attrs(
+            kernels::COLUMN_SUM_TARGET,
+            &format!("lead = {lead} : i64"),
+            &[&self.g.node(x).ty],
+            &n.ty,
+        );
+        let (name, ty) = (self.name(x).to_string(), self.ty(x));
+        self.generic(
+            res,
+            "stablehlo.custom_call",
+            &[&name],
+            &[ty],
+            &attrs,
             out_ty,
         );
         self.names.insert(id, res.to_string());
@@ -777,7 +808,10 @@ impl<'g> Emitter<'g> {
             .map(|&o| self.name(o).to_string())
             .collect();
         let arg_tys: Vec<String> = n.operands.iter().map(|&o| self.ty(o)).collect();
-        if self.ffi_call(id, &res, &out_ty) || self.dot_on_transposed(id, &res, &out_ty) {
+        if self.ffi_call(id, &res, &out_ty)
+            || self.dot_on_transposed(id, &res, &out_ty)
+            || self.column_sum(id, &res, &out_ty)
+        {
             return;
         }
         match lowering(self.g, n) {

@@ -38,9 +38,12 @@
 //! cores with OpenMP; two at once would oversubscribe them), with libtorch's default thread
 //! count unless [`set_threads`] says otherwise — see [`torch_lock`].
 //!
-//! A third, [`TRANSPOSE_TARGET`], is not libtorch's: kiln's own block transpose of a
-//! product's operand that XLA would otherwise copy into its canonical layout with a strided
-//! loop that is ~10× slow on rows of 4 KiB (the `transpose` module).
+//! Two more are not libtorch's but kiln's own, plain Rust where XLA's code is slow:
+//! [`TRANSPOSE_TARGET`], the block transpose of a product's operand that XLA would otherwise
+//! copy into its canonical layout with a strided loop that is ~10× slow on rows of 4 KiB (the
+//! `transpose` module), and [`COLUMN_SUM_TARGET`], a sum over leading dims (a training
+//! step's bias gradients), which XLA computes as a tree of windowed reductions (the `colsum`
+//! module).
 //!
 //! Besides these, fused kernels stand for several nodes each: packed convolutions and linears
 //! on frozen weights with their epilogues (the `packed` and `packed_linear` modules) and
@@ -53,6 +56,7 @@
 
 mod after;
 mod attention;
+mod colsum;
 mod conv;
 mod dot;
 mod mlir;
@@ -90,6 +94,7 @@ pub(crate) use after::AfterKernel;
 pub use after::AFTER_TARGET;
 pub(crate) use attention::AttentionKernel;
 pub use attention::ATTENTION_TARGET;
+pub(crate) use colsum::{column_sum_lead, ColumnSumKernel};
 pub(crate) use conv::ConvKernel;
 pub(crate) use dot::DotKernel;
 pub(crate) use packed::{packed_conv, PackedConvKernel};
@@ -112,6 +117,8 @@ pub const DOT_TARGET: &str = "kiln_dot_v1";
 /// The custom call target of kiln's block transpose of a product's operand (the
 /// `transpose` module; [`dot_operand_transposes`]).
 pub const TRANSPOSE_TARGET: &str = "kiln_transpose_v1";
+/// The custom call target of kiln's sum over leading dims (the `colsum` module).
+pub const COLUMN_SUM_TARGET: &str = "kiln_column_sum_v1";
 
 /// Which convolutions and dots the XLA backend hands to libtorch through FFI custom calls.
 ///
@@ -137,12 +144,12 @@ impl FfiMode {
     pub fn key(&self) -> String {
         let rule = match self {
             FfiMode::Off => return "off".into(),
-            FfiMode::All if packed_conv_enabled() => return "all5".into(),
-            FfiMode::All => return "all5-unpacked".into(),
+            FfiMode::All if packed_conv_enabled() => return "all6".into(),
+            FfiMode::All => return "all6-unpacked".into(),
             // The rule's packed linears depend on oneDNN's ISA (`auto_packed_linear`).
-            FfiMode::Auto if !packed_conv_enabled() => "auto13-unpacked",
-            FfiMode::Auto if onednn::avx512() => "auto13-avx512",
-            FfiMode::Auto => "auto13",
+            FfiMode::Auto if !packed_conv_enabled() => "auto14-unpacked",
+            FfiMode::Auto if onednn::avx512() => "auto14-avx512",
+            FfiMode::Auto => "auto14",
         };
         // The rule's training graphs depend on the process's CPUs (`rule_selection`).
         if process_cpus() == Some(1) {
@@ -576,11 +583,11 @@ pub trait FfiSelect {
         true
     }
 
-    /// May a product's operand that XLA would re-lay out with its slow strided copy be
-    /// transposed by kiln's block transpose first ([`TRANSPOSE_TARGET`],
-    /// [`dot_operand_transposes`])? Needs the kernels registered, like
-    /// [`FfiSelect::orders`].
-    fn transposes(&self) -> bool {
+    /// May kiln's own kernels (plain Rust, no libtorch) stand in for XLA's code where that
+    /// is slow: the block transpose of a product's operand ([`TRANSPOSE_TARGET`],
+    /// [`dot_operand_transposes`]) and the sum over leading dims ([`COLUMN_SUM_TARGET`])?
+    /// Needs the kernels registered, like [`FfiSelect::orders`].
+    fn own_kernels(&self) -> bool {
         self.orders()
     }
 }

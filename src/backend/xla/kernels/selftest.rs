@@ -1,8 +1,8 @@
 //! Registering the kernels with a plugin and checking them once.
 
 use super::{
-    conv_call_mlir, dot_call_mlir, AfterKernel, AttentionKernel, ConvKernel, DotKernel,
-    PackedConvKernel, PackedLinearKernel, TransposeKernel,
+    conv_call_mlir, dot_call_mlir, AfterKernel, AttentionKernel, ColumnSumKernel, ConvKernel,
+    DotKernel, PackedConvKernel, PackedLinearKernel, TransposeKernel,
 };
 use crate::backend::xla::lower::tensor_type;
 use crate::error::{Error, Result};
@@ -30,6 +30,7 @@ pub(crate) fn enable(backend: &crate::backend::xla::XlaBackend) -> std::result::
         .and_then(|()| api.register_ffi_kernel::<AfterKernel>())
         .and_then(|()| api.register_ffi_kernel::<AttentionKernel>())
         .and_then(|()| api.register_ffi_kernel::<TransposeKernel>())
+        .and_then(|()| api.register_ffi_kernel::<ColumnSumKernel>())
         .map_err(|e| format!("registering the FFI handlers failed: {e}"))?;
     self_test(backend).map_err(|e| format!("the FFI self-test failed: {e}"))
 }
