@@ -164,6 +164,18 @@ fn autograd_convs_through_the_kernel() {
     }
 }
 
+/// The graph of one product of inputs `a` and `b` (dims `a`, `b`, type `dt`), with their types.
+fn one_dot(dt: DType, a: &[usize], b: &[usize], d: &DotDims) -> (TensorType, TensorType, Graph) {
+    let at = TensorType::new(dt, a);
+    let bt = TensorType::new(dt, b);
+    let mut g = Graph::new();
+    let x = g.add_input(InputKind::Data, "a", at.clone());
+    let y = g.add_input(InputKind::Data, "b", bt.clone());
+    let z = g.add(Op::DotGeneral(d.clone()), &[x, y]).unwrap();
+    g.set_outputs(vec![z]).unwrap();
+    (at, bt, g)
+}
+
 fn dot(lb: &[usize], rb: &[usize], lc: &[usize], rc: &[usize]) -> DotDims {
     DotDims {
         lhs_batch: lb.to_vec(),
@@ -255,13 +267,7 @@ fn dot_kernel_matches_xla_and_f64_reference() {
     ];
     for (i, (a, b, d)) in cases.into_iter().enumerate() {
         for dt in [DType::F32, DType::F64] {
-            let at = TensorType::new(dt, a.as_slice());
-            let bt = TensorType::new(dt, b.as_slice());
-            let mut g = Graph::new();
-            let x = g.add_input(InputKind::Data, "a", at.clone());
-            let y = g.add_input(InputKind::Data, "b", bt.clone());
-            let z = g.add(Op::DotGeneral(d.clone()), &[x, y]).unwrap();
-            g.set_outputs(vec![z]).unwrap();
+            let (at, bt, g) = one_dot(dt, &a, &b, &d);
             let ins = [random(&at, i as u64), random(&bt, 77 + i as u64)];
             let what = format!("dot {i} {dt} {a:?} {b:?} {d:?}");
             let (ef, en) = check(&what, &g, &ins, DOT_TARGET);
@@ -315,13 +321,7 @@ fn slow_layout_operands_go_through_the_transpose_kernel() {
         ),
     ];
     for (i, (dt, a, b, d)) in cases.into_iter().enumerate() {
-        let at = TensorType::new(dt, a.as_slice());
-        let bt = TensorType::new(dt, b.as_slice());
-        let mut g = Graph::new();
-        let x = g.add_input(InputKind::Data, "a", at.clone());
-        let y = g.add_input(InputKind::Data, "b", bt.clone());
-        let z = g.add(Op::DotGeneral(d.clone()), &[x, y]).unwrap();
-        g.set_outputs(vec![z]).unwrap();
+        let (at, bt, g) = one_dot(dt, &a, &b, &d);
         assert!(
             !native().lower(&g).unwrap().contains(TRANSPOSE_TARGET),
             "case {i}: no kernels, no transpose call"
