@@ -177,12 +177,7 @@ fn one_dot(dt: DType, a: &[usize], b: &[usize], d: &DotDims) -> (TensorType, Ten
 }
 
 fn dot(lb: &[usize], rb: &[usize], lc: &[usize], rc: &[usize]) -> DotDims {
-    DotDims {
-        lhs_batch: lb.to_vec(),
-        rhs_batch: rb.to_vec(),
-        lhs_contract: lc.to_vec(),
-        rhs_contract: rc.to_vec(),
-    }
+    DotDims::new(lb, rb, lc, rc)
 }
 
 /// A post-LN residual chain (bert's shape of layer: `y = norm(y + y · w)`, the norm a

@@ -226,6 +226,24 @@ pub struct DotDims {
     pub rhs_contract: Vec<usize>,
 }
 
+impl DotDims {
+    /// Dims from their lists: batch dims of the left and right operands (paired in order),
+    /// then their contracting dims (paired in order).
+    pub fn new(
+        lhs_batch: &[usize],
+        rhs_batch: &[usize],
+        lhs_contract: &[usize],
+        rhs_contract: &[usize],
+    ) -> DotDims {
+        DotDims {
+            lhs_batch: lhs_batch.to_vec(),
+            rhs_batch: rhs_batch.to_vec(),
+            lhs_contract: lhs_contract.to_vec(),
+            rhs_contract: rhs_contract.to_vec(),
+        }
+    }
+}
+
 impl PartialEq for DotDims {
     fn eq(&self, other: &DotDims) -> bool {
         same_dims(&self.lhs_batch, &other.lhs_batch)

@@ -310,12 +310,7 @@ mod tests {
     }
 
     fn dims(lb: &[usize], rb: &[usize], lc: &[usize], rc: &[usize]) -> DotDims {
-        DotDims {
-            lhs_batch: lb.to_vec(),
-            rhs_batch: rb.to_vec(),
-            lhs_contract: lc.to_vec(),
-            rhs_contract: rc.to_vec(),
-        }
+        DotDims::new(lb, rb, lc, rc)
     }
 
     #[test]
