@@ -352,12 +352,11 @@ impl<'g> Emitter<'g> {
         self.generic(res, "stablehlo.custom_call", args, arg_tys, &attrs, &out_ty);
     }
 
-    /// `  %res = "op"(args) {attrs} : (arg types) -> result type`
     /// Writes dot node `id` as a product of operands transposed by kiln's block transpose
     /// where XLA would copy them slowly ([`kernels::dot_operand_transposes`]); `false` (nothing
     /// written) for any other node, or when the kernels are not available.
     fn dot_on_transposed(&mut self, id: NodeId, res: &str, out_ty: &str) -> bool {
-        if !self.ffi.own_kernels() {
+        if !self.ffi.own_kernels() || self.g.node(id).ty.shape.numel() == 0 {
             return false;
         }
         let Some(([a, b], t)) = kernels::dot_operand_transposes_in(self.g, id) else {
@@ -436,6 +435,7 @@ impl<'g> Emitter<'g> {
         true
     }
 
+    /// `  %res = "op"(args) {attrs} : (arg types) -> result type`
     fn generic(
         &mut self,
         res: &str,

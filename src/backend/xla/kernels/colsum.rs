@@ -113,7 +113,8 @@ pub(crate) fn column_sum_lead(g: &Graph, id: NodeId) -> Option<usize> {
         return None;
     };
     let x = &g.node(*n.operands.first()?).ty;
-    if !matches!(x.dtype, DType::F32 | DType::F64) || axes.is_empty() {
+    // (An empty result lowers as an empty constant.)
+    if !matches!(x.dtype, DType::F32 | DType::F64) || axes.is_empty() || n.ty.shape.numel() == 0 {
         return None;
     }
     let lead = axes.len();
@@ -189,5 +190,8 @@ mod tests {
         );
         let r = sum(&mut g, i, ReduceKind::Sum, &[0]);
         assert_eq!(column_sum_lead(&g, r), None, "integer sum");
+        let e = g.add_input(InputKind::Data, "e", f(&[64, 0]));
+        let r = sum(&mut g, e, ReduceKind::Sum, &[0]);
+        assert_eq!(column_sum_lead(&g, r), None, "empty result");
     }
 }
