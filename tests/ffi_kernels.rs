@@ -595,6 +595,39 @@ fn wrong_result_shape_is_an_error_with_a_message() {
         e.contains(CONV_TARGET) && e.contains("[1, 3, 3, 3]") && e.contains("[1, 3, 4, 4]"),
         "{e}"
     );
+
+    // kiln's own kernels check their result buffers too.
+    let run_one = |target: &str, config: &str, out: &str, want: &[&str]| {
+        let mlir = format!(
+            "module @m {{\n func.func public @main(%x: tensor<8x6xf32>) -> tensor<{out}xf32> {{\n  %y = \"stablehlo.custom_call\"(%x) {{call_target_name = \"{target}\", api_version = 4 : i32, backend_config = {{{config}}}}} : (tensor<8x6xf32>) -> tensor<{out}xf32>\n  \"func.return\"(%y) : (tensor<{out}xf32>) -> ()\n }}\n}}\n"
+        );
+        let exe = b.compile_mlir(&mlir).unwrap();
+        let x = b
+            .to_device(&random(&TensorType::new(DType::F32, [8, 6]), 3))
+            .unwrap();
+        let e = match exe.execute(&[x.raw()]) {
+            Ok(outs) => outs[0].ready().expect_err("the call fails"),
+            Err(e) => e,
+        }
+        .to_string();
+        assert!(e.contains(target), "{e}");
+        for w in want {
+            assert!(e.contains(w), "{w}: {e}");
+        }
+    };
+    run_one(
+        TRANSPOSE_TARGET,
+        "split = array<i64: 0, 1>",
+        "8x6",
+        &["[6, 8]", "[8, 6]"],
+    );
+    run_one(
+        TRANSPOSE_TARGET,
+        "split = array<i64: 2, 1>",
+        "6x8",
+        &["split"],
+    );
+    run_one(COLUMN_SUM_TARGET, "lead = 1 : i64", "8", &["[8, 6]", "[8]"]);
 }
 
 /// The default options send a large convolution and its input gradient to the kernel and
