@@ -18,6 +18,7 @@
 //! at least as accurate as XLA's tree of 32-element windows. It is plain Rust on the XLA
 //! worker that calls it (no libtorch, no kernel lock, no hand-over).
 
+use super::dot::Real;
 use super::COLUMN_SUM_TARGET;
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
 use crate::error::{Error, Result};
@@ -54,32 +55,8 @@ impl FfiKernel for ColumnSumKernel {
 /// fewest rows the lowering hands to the kernel).
 const BLOCK_ROWS: usize = 32;
 
-/// The element types the kernel sums (f32, f64) and their conversion to the f64 total.
-trait Acc: Copy + Default + std::ops::AddAssign {
-    fn to_f64(self) -> f64;
-    fn from_f64(v: f64) -> Self;
-}
-
-impl Acc for f32 {
-    fn to_f64(self) -> f64 {
-        self as f64
-    }
-    fn from_f64(v: f64) -> Self {
-        v as f32
-    }
-}
-
-impl Acc for f64 {
-    fn to_f64(self) -> f64 {
-        self
-    }
-    fn from_f64(v: f64) -> Self {
-        v
-    }
-}
-
 /// `out[j] = Σ_i x[i][j]` for `x` of `[rows, c]` (row-major).
-fn column_sums<T: Acc>(x: &[T], out: &mut [T], c: usize) {
+fn column_sums<T: Real>(x: &[T], out: &mut [T], c: usize) {
     if c == 0 {
         return;
     }
@@ -89,11 +66,11 @@ fn column_sums<T: Acc>(x: &[T], out: &mut [T], c: usize) {
         part.fill(T::default());
         for row in block.chunks_exact(c) {
             for (p, &v) in part.iter_mut().zip(row) {
-                *p += v;
+                *p = *p + v;
             }
         }
         for (t, &p) in total.iter_mut().zip(&part) {
-            *t += p.to_f64();
+            *t += p.into();
         }
     }
     for (o, &t) in out.iter_mut().zip(&total) {

@@ -295,13 +295,24 @@ fn group_strides(dims: &[i64], groups: [&[usize]; 3]) -> Option<[usize; 3]> {
     Some(out)
 }
 
-/// The scalar arithmetic of [`TinyDot::run`].
+/// The scalar arithmetic of [`TinyDot::run`] and of the column sum (`colsum.rs`), which
+/// keeps its totals in f64.
 pub(crate) trait Real:
-    Copy + Default + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self>
+    Copy + Default + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + Into<f64>
 {
+    /// The nearest value of this type.
+    fn from_f64(v: f64) -> Self;
 }
-impl Real for f32 {}
-impl Real for f64 {}
+impl Real for f32 {
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+}
+impl Real for f64 {
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+}
 
 impl TinyDot {
     /// Multiplies into `out` (`[B, M, N]`, row-major).

@@ -42,8 +42,7 @@ impl FfiKernel for TransposeKernel {
         call.expect_arity(1, 1)?;
         let split = call.attr_ints("split")?;
         let (x, y) = (call.arg(0)?, call.ret(0)?);
-        let [b, p, q] = block_dims(x.dims, split)?;
-        let want = transposed_dims(x.dims, split)?;
+        let ([b, p, q], want) = block_dims(x.dims, split)?;
         if y.dims != want.as_slice() || y.dtype != x.dtype {
             return Err(Error::Invalid(format!(
                 "transposing {:?} with split {split:?} gives {want:?}, the result buffer is {:?} ({:?} from {:?})",
@@ -58,8 +57,9 @@ impl FfiKernel for TransposeKernel {
     }
 }
 
-/// `[batch, p, q]` element counts of `dims` split as `split = [nb, np]`.
-fn block_dims(dims: &[i64], split: &[i64]) -> Result<[usize; 3]> {
+/// `[batch, p, q]` element counts of `dims` split as `split = [nb, np]`, and the dims of the
+/// result (`dims` with its `p` and `q` blocks swapped).
+fn block_dims(dims: &[i64], split: &[i64]) -> Result<([usize; 3], Vec<i64>)> {
     let bad = || {
         Error::Invalid(format!(
             "split {split:?} does not divide dims {dims:?} into batch, p and q"
@@ -75,22 +75,9 @@ fn block_dims(dims: &[i64], split: &[i64]) -> Result<[usize; 3]> {
     if nb + np > dims.len() {
         return Err(bad());
     }
+    let (batch, p, q) = (&dims[..nb], &dims[nb..nb + np], &dims[nb + np..]);
     let prod = |s: &[i64]| s.iter().map(|&d| d as usize).product::<usize>();
-    Ok([
-        prod(&dims[..nb]),
-        prod(&dims[nb..nb + np]),
-        prod(&dims[nb + np..]),
-    ])
-}
-
-/// The result dims: `dims` with its `p` and `q` blocks swapped.
-fn transposed_dims(dims: &[i64], split: &[i64]) -> Result<Vec<i64>> {
-    block_dims(dims, split)?;
-    let (nb, np) = (split[0] as usize, split[1] as usize);
-    let mut out = dims[..nb].to_vec();
-    out.extend_from_slice(&dims[nb + np..]);
-    out.extend_from_slice(&dims[nb..nb + np]);
-    Ok(out)
+    Ok(([prod(batch), prod(p), prod(q)], [batch, q, p].concat()))
 }
 
 /// The side of the square tiles the transpose moves through a local array: 8 rows of the
@@ -183,21 +170,17 @@ pub fn dot_operand_transposes(
         return None;
     }
     let mut dims = d.clone();
-    if let Some((_, first)) = &lhs {
+    if let Some(t) = &lhs {
         // [batch, contract, free] → [batch, free, contract]: contracting dim c moves to
         // nb + nf + (c - nb).
-        let nf = a.shape.rank() - nb - first;
+        let nf = a.shape.rank() - nb - t.split[1];
         dims.lhs_contract = d.lhs_contract.iter().map(|&c| c + nf).collect();
     }
-    if let Some((_, first)) = &rhs {
+    if let Some(t) = &rhs {
         // [batch, free, contract] → [batch, contract, free]: c moves to nb + (c - nb - nf).
-        dims.rhs_contract = d.rhs_contract.iter().map(|&c| c - first).collect();
+        dims.rhs_contract = d.rhs_contract.iter().map(|&c| c - t.split[1]).collect();
     }
-    Some(DotOperandTransposes {
-        lhs: lhs.map(|(t, _)| t),
-        rhs: rhs.map(|(t, _)| t),
-        dims,
-    })
+    Some(DotOperandTransposes { lhs, rhs, dims })
 }
 
 /// [`dot_operand_transposes`] for dot node `id` of `g` as XLA sees it: XLA folds a
@@ -253,15 +236,15 @@ fn through_transposes(
     Some((x, batch, contract))
 }
 
-/// The transpose of one operand (and the length of its first non-batch block), if it
-/// qualifies (see [`dot_operand_transposes`]). `left`: the left operand (canonical
+/// The transpose of one operand (its `split[1]` the length of its first non-batch block), if
+/// it qualifies (see [`dot_operand_transposes`]). `left`: the left operand (canonical
 /// `[batch, free, contract]`), else the right one (`[batch, contract, free]`).
 fn misplaced(
     t: &TensorType,
     batch: &[usize],
     contract: &[usize],
     left: bool,
-) -> Option<(OperandTranspose, usize)> {
+) -> Option<OperandTranspose> {
     if !matches!(t.dtype, DType::F32 | DType::F64) || contract.is_empty() {
         return None;
     }
@@ -291,13 +274,10 @@ fn misplaced(
     let mut out: Vec<usize> = dims[..nb].to_vec();
     out.extend_from_slice(&dims[nb + first..]);
     out.extend_from_slice(&dims[nb..nb + first]);
-    Some((
-        OperandTranspose {
-            split: [nb, first],
-            ty: TensorType::new(t.dtype, crate::ir::Shape::new(&out)),
-        },
-        first,
-    ))
+    Some(OperandTranspose {
+        split: [nb, first],
+        ty: TensorType::new(t.dtype, crate::ir::Shape::new(&out)),
+    })
 }
 
 #[cfg(test)]
