@@ -355,7 +355,8 @@ impl Report {
         out
     }
 
-    /// `pass` when every variant passed, else the failing variants.
+    /// `pass` when every variant passed, else the failing variants, each with its figures
+    /// (as in the accuracy table).
     fn accuracy_summary(&self, row: &ModelRow) -> String {
         if row.error.is_some() {
             return "fail_to_run".into();
@@ -366,8 +367,10 @@ impl Report {
             if r.error.is_some() {
                 bad.push(format!("{s}: fail_to_run"));
             } else if let Some(a) = &r.accuracy {
+                // With its figures and reference, so a failure in a timing table can be
+                // told apart (a wrong update, a loss off, a reference of its own).
                 if !a.passed() {
-                    bad.push(format!("{s}: {}", a.status));
+                    bad.push(format!("{s}: {}", accuracy_cell(r)));
                 }
             }
         }

@@ -362,11 +362,26 @@ fn training_check_catches_wrong_updates() {
         lr: 1e-4,
         ..quick()
     };
-    let model: Box<dyn zoo::Model> = Box::new(FrozenWhenEager { store, w });
+    let model: Box<dyn zoo::Model> = Box::new(FrozenWhenEager {
+        store: store.clone(),
+        w: w.clone(),
+    });
     let report = run_benchmark(vec![model], &opts).unwrap();
     let a = report.rows[0].results[0].accuracy.expect("checked");
     assert!(!a.passed(), "{report}");
     assert!(report.to_string().contains("FAIL"), "{report}");
+    // A timing table names the failing variant with its figures.
+    let model: Box<dyn zoo::Model> = Box::new(FrozenWhenEager { store, w });
+    let timed = BenchOptions {
+        experiment: Experiment::Performance,
+        ..opts
+    };
+    let report = run_benchmark(vec![model], &timed).unwrap();
+    let table = report.to_string();
+    assert!(
+        table.contains("fused once: FAIL (loss |Δ| ") && table.contains("update rel err"),
+        "{table}"
+    );
 }
 
 /// A directory outside the repository, removed on drop.
