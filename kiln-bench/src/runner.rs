@@ -109,10 +109,10 @@ fn perturbed(inputs: &[Tensor], seed: u64) -> kiln::Result<Vec<Tensor>> {
 /// given as its result and its parameter update, if any): both within [`REPEAT_RTOL`]?
 ///
 /// Why the update too: dropout drawn by libtorch changes both, but a loss that averages many
-/// outputs can land within `REPEAT_RTOL` of the first by chance (squeezenet1_1, 19 redraws:
-/// 4.3e-4 to 3.2e-2 relative), and then eager, with a mask of its own, was taken as the
-/// reference and every compiled variant's update check failed (`--training`, one run in about
-/// eight). The update of the weights behind a dropout moves with the mask far more than that.
+/// outputs can land within `REPEAT_RTOL` of the first by chance (squeezenet1_1: 2 of 299
+/// redraws), and then eager, with a mask of its own, was taken as the reference and every
+/// compiled variant failed the update check (seen once in a `--training` run). The update of
+/// the weights behind a dropout moves with the mask far more than the loss.
 fn eager_repeats(
     first: (&[f64], &Option<Vec<tch::Tensor>>),
     second: (&[f64], &Option<Vec<tch::Tensor>>),
@@ -689,7 +689,7 @@ mod tests {
         // Dropout: a loss that happens to agree, an update that does not.
         let other = update(1);
         assert!(!eager_repeats((&loss, &u), (&loss, &other), &tol));
-        // A loss that moves (the check before: loss only).
+        // A loss that moves (what the loss-only check caught).
         let moved = [0.3065537 * (1.0 + 4.3e-4)];
         assert!(!eager_repeats((&loss, &u), (&moved, &same), &tol));
         // Inference: no update to compare.
