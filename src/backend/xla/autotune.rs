@@ -719,10 +719,11 @@ pub(crate) fn site_key(context: &str, s: &Site, micro: &Graph) -> [u8; 32] {
 /// threads.
 pub(crate) fn context(plugin: &str, options: &[u8]) -> String {
     format!(
-        "{plugin}|opts{options:02x?}|cpu {}|{} cpus|{CONV_TARGET},{DOT_TARGET}|torch threads {:?}",
+        "{plugin}|opts{options:02x?}|cpu {}|{} cpus|{CONV_TARGET},{DOT_TARGET}|torch threads {:?}|{}",
         cpu_model(),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
-        super::kernels::threads()
+        super::kernels::threads(),
+        if super::kernels::own_depthwise() { "kiln depthwise 1" } else { "libtorch depthwise" }
     )
 }
 

@@ -1,14 +1,17 @@
 //! The convolution kernel ([`CONV_TARGET`](super::CONV_TARGET)): `Op::Conv` computed by
-//! libtorch, in each [`ConvForm`].
+//! libtorch, in each [`ConvForm`]; depthwise ones by kiln's own loops (the `depthwise`
+//! module).
 
+use super::depthwise::{self, Depthwise};
 use super::onednn::{self, Activation, Geometry};
+use super::threads::own_kernel_guard;
 use super::SERIAL_ATTR;
 use super::{torch_lock, ConvForm, CONV_TARGET};
 use crate::backend::eager::batch_groups_to_channels;
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
 use crate::backend::xla::pjrt::handoff;
 use crate::error::{Error, Result};
-use crate::ir::{ConvAttrs, TensorType};
+use crate::ir::{ConvAttrs, DType, TensorType};
 use tch::Tensor;
 
 /// The convolution kernel ([`CONV_TARGET`]).
@@ -71,6 +74,27 @@ impl FfiKernel for ConvKernel {
                 "convolution of {:?} by {:?} ({form:?}) with {c:?} gives {want:?}, the result buffer is {:?}",
                 xb.dims, kb.dims, ob.dims
             )));
+        }
+        // A depthwise one: kiln's own loops, right here on XLA's worker (see `depthwise`).
+        if let Some((d, pass)) =
+            Depthwise::of(&c, xb.dims, kb.dims, ob.dims, form).filter(|_| depthwise::enabled())
+        {
+            let _counted = own_kernel_guard();
+            match xb.dtype {
+                DType::F32 => d.run(
+                    pass,
+                    xb.as_slice::<f32>()?,
+                    kb.as_slice::<f32>()?,
+                    call.ret_slice_mut(0)?,
+                ),
+                _ => d.run(
+                    pass,
+                    xb.as_slice::<f64>()?,
+                    kb.as_slice::<f64>()?,
+                    call.ret_slice_mut(0)?,
+                ),
+            }
+            return Ok(());
         }
         let flops = super::window_flops(ob.dims, &kdims);
         handoff::run_kernel(call.flag(SERIAL_ATTR), flops, || {

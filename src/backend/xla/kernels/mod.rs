@@ -58,6 +58,7 @@ mod after;
 mod attention;
 mod colsum;
 mod conv;
+mod depthwise;
 mod dot;
 mod mlir;
 pub(crate) mod onednn;
@@ -72,6 +73,7 @@ pub(crate) mod weights;
 pub use conv::{
     conv, conv_form, conv_out_dims, effective_dims, effective_kernel_dims, weight_gradient_direct,
 };
+pub use depthwise::{own_depthwise, set_own_depthwise};
 pub use dot::{DotPlan, TinyDot, TINY_DOT_MAX_FLOPS};
 pub use mlir::{
     conv_call_attrs, conv_call_attrs_form, conv_call_mlir, dot_call_attrs, dot_call_mlir,
@@ -144,12 +146,12 @@ impl FfiMode {
     pub fn key(&self) -> String {
         let rule = match self {
             FfiMode::Off => return "off".into(),
-            FfiMode::All if packed_conv_enabled() => return "all6".into(),
-            FfiMode::All => return "all6-unpacked".into(),
+            FfiMode::All if packed_conv_enabled() => return "all7".into(),
+            FfiMode::All => return "all7-unpacked".into(),
             // The rule's packed linears depend on oneDNN's ISA (`auto_packed_linear`).
-            FfiMode::Auto if !packed_conv_enabled() => "auto14-unpacked",
-            FfiMode::Auto if onednn::avx512() => "auto14-avx512",
-            FfiMode::Auto => "auto14",
+            FfiMode::Auto if !packed_conv_enabled() => "auto15-unpacked",
+            FfiMode::Auto if onednn::avx512() => "auto15-avx512",
+            FfiMode::Auto => "auto15",
         };
         // The rule's training graphs depend on the process's CPUs (`rule_selection`).
         if process_cpus() == Some(1) {

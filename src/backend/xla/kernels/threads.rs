@@ -167,7 +167,8 @@ pub fn serialized() -> bool {
 pub struct KernelStats {
     /// Kernel calls.
     pub calls: u64,
-    /// Nanoseconds spent running kernel bodies (libtorch work, lock held).
+    /// Nanoseconds spent running kernel bodies (libtorch work, lock held, and kiln's own
+    /// depthwise convolutions).
     pub run_ns: u64,
     /// Nanoseconds spent waiting for the kernel lock.
     pub wait_ns: u64,
@@ -210,6 +211,15 @@ impl Drop for KernelGuard {
     fn drop(&mut self) {
         CALLS.fetch_add(1, Ordering::Relaxed);
         RUN_NS.fetch_add(self.start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// Counts one kernel that runs without libtorch (kiln's own loops: no thread setting, no
+/// kernel lock) into [`stats`] when dropped.
+pub(crate) fn own_kernel_guard() -> KernelGuard {
+    KernelGuard {
+        _lock: None,
+        start: Instant::now(),
     }
 }
 
