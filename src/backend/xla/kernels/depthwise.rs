@@ -12,18 +12,20 @@
 //! mobilenet_v2's training step runs 51 depthwise kernels (forward, input and weight
 //! gradients), which took 13–15 ms of its ~52 ms in libtorch. 2-vCPU AMD EPYC (Zen 2),
 //! batch 4 at 64×64, `TrainStep` in a loop of 20 steps, medians, ms, libtorch / these
-//! loops (eager 55.3–56.3): mobilenet_v2 split 52.8, 52.3 / 44.3, 45.3, fused 52.9, 51.9 /
-//! 44.4, 43.5; mnasnet1_0 (5×5 windows too) split 53.4, 52.5 / 49.2, 45.5, fused 52.0, 57.9 /
-//! 47.1, 46.6. Alone, one thread each, µs a call, these loops / libtorch (forward, input
-//! gradient, weight gradient): 32 channels on 32×32 106 / 181, 109 / 220, 148 / 187; 144 on
-//! 16×16 139 / 187, 136 / 245, 200 / 191; 384 on 4×4 80 / 103, 73 / 137, 105 / 110; 960 on
-//! 2×2 108 / 120, 102 / 145, 144 / 687; stride 2, 96 on 32×32 270 / 216, 281 / 351, 309 /
-//! 221; 5×5, 240 on 8×8 217 / 153, 215 / 227, 497 / 2,286.
+//! loops: mobilenet_v2 split 52.6 / 37.6 (8.4 ms a step in kernel calls, 16.4 before), in
+//! the harness (`--training --mode once`) 0.89× / 0.94× → 1.13× / 1.18× (split / fused);
+//! mnasnet1_0 (5×5 windows too) 0.99× / 1.02× → 1.28× / 1.33×. Alone, one thread each, µs
+//! a call, these loops / libtorch (forward, input gradient, weight gradient): 32 channels on
+//! 32×32 93 / 181, 104 / 220, 133 / 187; 144 on 16×16 117 / 187, 132 / 245, 177 / 191; 192
+//! on 8×8 58 / 122, 64 / 162, 84 / 127; 384 on 4×4 72 / 103, 77 / 137, 90 / 110; 960 on 2×2
+//! 55 / 120, 76 / 145, 82 / 687; stride 2, 96 on 32×32 219 / 216, 264 / 351, 252 / 221; 5×5,
+//! 240 on 8×8 200 / 153, 213 / 227, 332 / 2,286.
 //!
 //! How: a group of channels of every image (sized to stay in L2) is copied once into a
 //! zero-padded layout split into *phases* (the padded plane by row and column modulo the
 //! stride, so that each tap of a strided window reads a contiguous run), one channel's
-//! images after another. Then each pass is a few long contiguous loops over the whole group
+//! images after another (rows by vector copies; planes of short rows element by element
+//! through a precomputed map, as a copy's fixed cost would dominate). Then each pass is a few long contiguous loops over the whole group
 //! (32 results at a time, compiled for AVX2 + FMA where the CPU has them): the forward pass
 //! sums the taps' shifted runs in registers, computing "wide" rows (the phase's width; the
 //! columns past the output's are discarded); the input gradient is the same correlation of
@@ -231,7 +233,16 @@ struct Layout {
     s1: usize,
     /// The padded column of the first read one.
     q0: usize,
+    /// For planes of short rows, which the row copies' fixed costs dominate: each read
+    /// input element's index in its plane and place from its channel's and image's start.
+    small_input: Option<Vec<(usize, usize)>>,
+    /// Likewise each result element's index in its plane and place in the wide layout.
+    small_result: Option<Vec<(usize, usize)>>,
 }
+
+/// Rows shorter than this are copied element by element through a map (see
+/// [`Layout::small_input`]).
+const SHORT_ROW: usize = LANES;
 
 impl Layout {
     fn new(d: &Depthwise) -> Layout {
@@ -247,7 +258,7 @@ impl Layout {
             .flat_map(|a| (0..d.kw).map(move |b| (a, b)))
             .map(|(a, b)| ((a % s0) * s1 + b % s1) * phase + (a / s0) * wq + b / s1)
             .collect();
-        let rows = (0..d.h)
+        let rows: Vec<Option<usize>> = (0..d.h)
             .map(|i| {
                 let r = usize::try_from(i as i64 + d.pad[0]).ok()?;
                 (r / s0 < hq).then(|| (r % s0) * s1 * phase + (r / s0) * wq)
@@ -256,6 +267,23 @@ impl Layout {
         let j0 = (-d.pad[1]).max(0) as usize;
         let j1 = ((wq * s1) as i64 - d.pad[1]).clamp(0, d.w as i64) as usize;
         let cols = j0..j1.max(j0);
+        let q0 = (j0 as i64 + d.pad[1]) as usize;
+        let small_input = (cols.len() < SHORT_ROW).then(|| {
+            let rows = &rows;
+            cols.clone()
+                .flat_map(|j| (0..d.h).map(move |i| (i, j)))
+                .filter_map(|(i, j)| {
+                    let q = q0 + (j - j0);
+                    let at = rows[i]? + (q % s1) * phase + q / s1;
+                    Some((i * d.w + j, at))
+                })
+                .collect()
+        });
+        let small_result = (d.ow < SHORT_ROW).then(|| {
+            (0..d.oh * d.ow)
+                .map(|e| (e, (e / d.ow) * wq + e % d.ow))
+                .collect()
+        });
         Layout {
             wq,
             img,
@@ -264,9 +292,11 @@ impl Layout {
             phase,
             taps,
             rows,
-            q0: (j0 as i64 + d.pad[1]) as usize,
+            q0,
             cols,
             s1,
+            small_input,
+            small_result,
         }
     }
 
@@ -284,6 +314,15 @@ impl Layout {
     /// Copies channels `c0..c0 + g` of every image of `x` (`[n, c, h, w]`) into the
     /// phases `buf`, writing only the input elements' places (the rest stays zero).
     fn fill<T: Real>(&self, d: &Depthwise, x: &[T], (c0, g): (usize, usize), buf: &mut [T]) {
+        if let Some(map) = &self.small_input {
+            self.each_plane(d, d.h * d.w, (c0, g), |plane, base| {
+                let (src, dst) = (&x[plane..][..d.h * d.w], &mut buf[base..]);
+                for &(e, at) in map {
+                    dst[at] = src[e];
+                }
+            });
+            return;
+        }
         self.each_row(d, (c0, g), |i, base, at| {
             let src = &x[base + i * d.w..][self.cols.clone()];
             self.put(src, &mut buf[at..]);
@@ -294,6 +333,16 @@ impl Layout {
     /// reads).
     fn gather<T: Real>(&self, d: &Depthwise, buf: &[T], (c0, g): (usize, usize), x: &mut [T]) {
         let hw = d.h * d.w;
+        if let Some(map) = &self.small_input {
+            self.each_plane(d, hw, (c0, g), |plane, base| {
+                let (src, dst) = (&buf[base..], &mut x[plane..][..hw]);
+                dst.fill(T::default());
+                for &(e, at) in map {
+                    dst[e] = src[at];
+                }
+            });
+            return;
+        }
         for n in 0..d.n {
             for ci in 0..g {
                 x[(n * d.c + c0 + ci) * hw..][..hw].fill(T::default());
@@ -303,6 +352,22 @@ impl Layout {
             let dst = &mut x[base + i * d.w..][self.cols.clone()];
             self.take(&buf[at..], dst);
         });
+    }
+
+    /// Calls `f(plane start, its place)` for channels `c0..c0 + g` of every image, planes of
+    /// `len` elements.
+    fn each_plane(
+        &self,
+        d: &Depthwise,
+        len: usize,
+        (c0, g): (usize, usize),
+        mut f: impl FnMut(usize, usize),
+    ) {
+        for n in 0..d.n {
+            for ci in 0..g {
+                f((n * d.c + c0 + ci) * len, ci * self.span + n * self.img);
+            }
+        }
     }
 
     /// Calls `f(row, plane start, place of the row's column −p₁)` for every input
@@ -372,6 +437,15 @@ impl Layout {
     /// layout, from `wide`'s start (only the result elements' places are written).
     fn widen<T: Real>(&self, d: &Depthwise, y: &[T], (c0, g): (usize, usize), wide: &mut [T]) {
         let ohw = d.oh * d.ow;
+        if let Some(map) = &self.small_result {
+            self.each_plane(d, ohw, (c0, g), |plane, base| {
+                let (src, dst) = (&y[plane..][..ohw], &mut wide[base..]);
+                for &(e, at) in map {
+                    dst[at] = src[e];
+                }
+            });
+            return;
+        }
         for n in 0..d.n {
             for ci in 0..g {
                 let plane = &y[(n * d.c + c0 + ci) * ohw..][..ohw];
@@ -386,6 +460,15 @@ impl Layout {
     /// The reverse of [`Layout::widen`].
     fn narrow<T: Real>(&self, d: &Depthwise, wide: &[T], (c0, g): (usize, usize), y: &mut [T]) {
         let ohw = d.oh * d.ow;
+        if let Some(map) = &self.small_result {
+            self.each_plane(d, ohw, (c0, g), |plane, base| {
+                let (src, dst) = (&wide[base..], &mut y[plane..][..ohw]);
+                for &(e, at) in map {
+                    dst[e] = src[at];
+                }
+            });
+            return;
+        }
         for n in 0..d.n {
             for ci in 0..g {
                 let plane = &mut y[(n * d.c + c0 + ci) * ohw..][..ohw];
@@ -556,7 +639,6 @@ fn dots<T: Real>(a: &[T], b: &[T], taps: &[usize], span: usize, out: &mut [T]) {
         let b = &b[ci * span..];
         match k {
             9 => dots_k::<T, 9>(a, b, taps, o),
-            25 => dots_k::<T, 25>(a, b, taps, o),
             _ => dots_n(a, b, taps, o),
         }
     }
