@@ -76,8 +76,8 @@ impl FfiKernel for ConvKernel {
             )));
         }
         // A depthwise one: kiln's own loops, right here on XLA's worker (see `depthwise`).
-        if let Some((d, pass)) =
-            Depthwise::of(&c, xb.dims, kb.dims, ob.dims, form).filter(|_| depthwise::enabled())
+        if let Some((d, pass)) = Depthwise::of(&c, xb.dims, kb.dims, ob.dims, form)
+            .filter(|_| depthwise::own_depthwise())
         {
             let _counted = own_kernel_guard();
             match xb.dtype {

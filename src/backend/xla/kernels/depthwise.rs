@@ -12,9 +12,10 @@
 //! mobilenet_v2's training step runs 51 depthwise kernels (forward, input and weight
 //! gradients), which took 13–15 ms of its ~52 ms in libtorch. 2-vCPU AMD EPYC (Zen 2),
 //! batch 4 at 64×64, `TrainStep` in a loop of 20 steps, medians, ms, libtorch / these
-//! loops: mobilenet_v2 split 52.6 / 37.6 (8.4 ms a step in kernel calls, 16.4 before), in
-//! the harness (`--training --mode once`) 0.89× / 0.94× → 1.13× / 1.18× (split / fused);
-//! mnasnet1_0 (5×5 windows too) 0.99× / 1.02× → 1.28× / 1.33×. Alone, one thread each, µs
+//! loops: mobilenet_v2 split 52.6 / 37.6 (8.4 ms a step in kernel calls, 16.4 before); in
+//! the harness (`--training --all --mode once`, eager at 2 threads) 0.89× / 0.94× → 1.15× /
+//! 1.20× of eager (split / fused), mnasnet1_0 (5×5 windows too) 0.99× / 1.02× → 1.36× /
+//! 1.35×. Alone, one thread each, µs
 //! a call, these loops / libtorch (forward, input gradient, weight gradient): 32 channels on
 //! 32×32 93 / 181, 104 / 220, 133 / 187; 144 on 16×16 117 / 187, 132 / 245, 177 / 191; 192
 //! on 8×8 58 / 122, 64 / 162, 84 / 127; 384 on 4×4 72 / 103, 77 / 137, 90 / 110; 960 on 2×2
@@ -25,8 +26,9 @@
 //! zero-padded layout split into *phases* (the padded plane by row and column modulo the
 //! stride, so that each tap of a strided window reads a contiguous run), one channel's
 //! images after another (rows by vector copies; planes of short rows element by element
-//! through a precomputed map, as a copy's fixed cost would dominate). Then each pass is a few long contiguous loops over the whole group
-//! (32 results at a time, compiled for AVX2 + FMA where the CPU has them): the forward pass
+//! through a precomputed map, as a copy's fixed cost would dominate). Then each pass is a few
+//! long contiguous loops over the whole group (32 results at a time, compiled for AVX2 + FMA
+//! where the CPU has them): the forward pass
 //! sums the taps' shifted runs in registers, computing "wide" rows (the phase's width; the
 //! columns past the output's are discarded); the input gradient is the same correlation of
 //! the cotangent's wide layout with each phase's taps, read backwards; and the weight
@@ -60,11 +62,6 @@ pub fn set_own_depthwise(on: bool) {
 /// See [`set_own_depthwise`].
 pub fn own_depthwise() -> bool {
     own().load(Ordering::Relaxed)
-}
-
-/// Whether the convolution kernel hands depthwise calls to this module.
-pub(crate) fn enabled() -> bool {
-    own_depthwise()
 }
 
 /// Which pass of a depthwise convolution a call computes.
@@ -112,12 +109,13 @@ impl Depthwise {
         out: &[i64],
         form: ConvForm,
     ) -> Option<(Depthwise, Pass)> {
-        let u = |v: i64| usize::try_from(v).ok();
+        // (Empty arrays and windows stay with libtorch.)
+        let u = |v: i64| usize::try_from(v).ok().filter(|&v| v > 0);
         if x.len() != 4 || k.len() != 4 || out.len() != 4 || c.strides.len() != 2 {
             return None;
         }
         let ones = |v: &[usize]| v.iter().all(|&d| d == 1);
-        let channels = u(x[1]).filter(|&ch| ch > 0 && c.feature_groups == ch)?;
+        let channels = u(x[1]).filter(|&ch| c.feature_groups == ch)?;
         if c.batch_groups != 1 {
             return None;
         }
@@ -729,6 +727,8 @@ mod tests {
             ([1, 2, 6, 6], [3, 3], [1, 1], [(-1, 1), (1, -1)]),
             ([1, 2, 7, 7], [3, 3], [3, 2], [(0, 2), (1, 0)]),
             ([2, 3, 7, 8], [5, 5], [1, 1], [(2, 2), (2, 2)]),
+            // Phases no tap reads (a 1×1 window with stride 2).
+            ([1, 3, 6, 7], [1, 1], [2, 2], [(0, 0), (0, 0)]),
             // More channels than one group of the layout holds (several groups).
             ([2, 40, 12, 12], [3, 3], [1, 1], [(1, 1), (1, 1)]),
             ([3, 45, 13, 12], [3, 3], [2, 2], [(1, 1), (1, 1)]),
@@ -852,6 +852,9 @@ mod tests {
             ..ConvAttrs::plain(1)
         };
         assert!(Depthwise::of(&c1, &[2, 4, 5], &[4, 1, 3], &[2, 4, 3], ConvForm::Plain).is_none());
+        // Empty arrays.
+        assert!(Depthwise::of(&c, &[0, 4, 5, 5], &k, &[0, 4, 3, 3], ConvForm::Plain).is_none());
+        assert!(Depthwise::of(&c, &x, &[4, 1, 0, 3], &[2, 4, 6, 3], ConvForm::Plain).is_none());
         // The weight gradient of a convolution with kernel dilation (window strides > 1).
         let mut w = c.clone();
         w.strides = vec![2, 2];
