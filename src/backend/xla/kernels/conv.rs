@@ -77,7 +77,7 @@ impl FfiKernel for ConvKernel {
         }
         // A depthwise one: kiln's own loops, right here on XLA's worker (see `depthwise`).
         if let Some((d, pass)) = Depthwise::of(&c, xb.dims, kb.dims, ob.dims, form)
-            .filter(|_| depthwise::own_depthwise())
+            .filter(|_| depthwise::own_depthwise() && matches!(xb.dtype, DType::F32 | DType::F64))
         {
             let _counted = own_kernel_guard();
             match xb.dtype {
@@ -89,6 +89,7 @@ impl FfiKernel for ConvKernel {
                 ),
                 _ => d.run(
                     pass,
+                    // (f64, checked above.)
                     xb.as_slice::<f64>()?,
                     kb.as_slice::<f64>()?,
                     call.ret_slice_mut(0)?,
