@@ -341,11 +341,9 @@ impl Layout {
             });
             return;
         }
-        for n in 0..d.n {
-            for ci in 0..g {
-                x[(n * d.c + c0 + ci) * hw..][..hw].fill(T::default());
-            }
-        }
+        self.each_plane(d, hw, (c0, g), |plane, _| {
+            x[plane..][..hw].fill(T::default())
+        });
         self.each_row(d, (c0, g), |i, base, at| {
             let dst = &mut x[base + i * d.w..][self.cols.clone()];
             self.take(&buf[at..], dst);
@@ -379,17 +377,13 @@ impl Layout {
         if self.cols.is_empty() {
             return;
         }
-        for n in 0..d.n {
-            for ci in 0..g {
-                let plane = (n * d.c + c0 + ci) * d.h * d.w;
-                let base = ci * self.span + n * self.img;
-                for (i, r) in self.rows.iter().enumerate() {
-                    if let Some(r) = r {
-                        f(i, plane, base + r);
-                    }
+        self.each_plane(d, d.h * d.w, (c0, g), |plane, base| {
+            for (i, r) in self.rows.iter().enumerate() {
+                if let Some(r) = r {
+                    f(i, plane, base + r);
                 }
             }
-        }
+        });
     }
 
     /// Writes a row's read columns `src` to their places in its phase rows (`dst` from the
@@ -444,15 +438,12 @@ impl Layout {
             });
             return;
         }
-        for n in 0..d.n {
-            for ci in 0..g {
-                let plane = &y[(n * d.c + c0 + ci) * ohw..][..ohw];
-                let dst = wide[ci * self.span + n * self.img..].chunks_mut(self.wq);
-                for (src, dst) in plane.chunks_exact(d.ow).zip(dst) {
-                    copy(&mut dst[..d.ow], src);
-                }
+        self.each_plane(d, ohw, (c0, g), |plane, base| {
+            let rows = wide[base..].chunks_mut(self.wq);
+            for (src, dst) in y[plane..][..ohw].chunks_exact(d.ow).zip(rows) {
+                copy(&mut dst[..d.ow], src);
             }
-        }
+        });
     }
 
     /// The reverse of [`Layout::widen`].
@@ -467,15 +458,12 @@ impl Layout {
             });
             return;
         }
-        for n in 0..d.n {
-            for ci in 0..g {
-                let plane = &mut y[(n * d.c + c0 + ci) * ohw..][..ohw];
-                let src = wide[ci * self.span + n * self.img..].chunks(self.wq);
-                for (dst, src) in plane.chunks_exact_mut(d.ow).zip(src) {
-                    copy(dst, &src[..d.ow]);
-                }
+        self.each_plane(d, ohw, (c0, g), |plane, base| {
+            let rows = wide[base..].chunks(self.wq);
+            for (dst, src) in y[plane..][..ohw].chunks_exact_mut(d.ow).zip(rows) {
+                copy(dst, &src[..d.ow]);
             }
-        }
+        });
     }
 
     /// The reverse of [`Layout::put`].
