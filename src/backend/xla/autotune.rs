@@ -723,7 +723,7 @@ pub(crate) fn context(plugin: &str, options: &[u8]) -> String {
         cpu_model(),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         super::kernels::threads(),
-        if super::kernels::own_depthwise() { "kiln depthwise 1" } else { "libtorch depthwise" }
+        if super::kernels::own_grouped_conv() { "kiln grouped 2" } else { "libtorch grouped" }
     )
 }
 

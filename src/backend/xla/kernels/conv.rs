@@ -1,8 +1,8 @@
 //! The convolution kernel ([`CONV_TARGET`](super::CONV_TARGET)): `Op::Conv` computed by
-//! libtorch, in each [`ConvForm`]; depthwise ones by kiln's own loops (the `depthwise`
-//! module).
+//! libtorch, in each [`ConvForm`]; those of small feature groups (depthwise included) by
+//! kiln's own loops (the `grouped` module).
 
-use super::depthwise::{self, Depthwise};
+use super::grouped::{self, Grouped};
 use super::onednn::{self, Activation, Geometry};
 use super::threads::own_kernel_guard;
 use super::SERIAL_ATTR;
@@ -75,9 +75,14 @@ impl FfiKernel for ConvKernel {
                 xb.dims, kb.dims, ob.dims
             )));
         }
-        // A depthwise one: kiln's own loops, right here on XLA's worker (see `depthwise`).
-        if let Some((d, pass)) = Depthwise::of(&c, xb.dims, kb.dims, ob.dims, form)
-            .filter(|_| depthwise::own_depthwise() && matches!(xb.dtype, DType::F32 | DType::F64))
+        // Groups of a few channels (depthwise too): kiln's own loops, right here on XLA's
+        // worker (see `grouped`).
+        if let Some((d, pass)) =
+            Grouped::of(&c, xb.dims, kb.dims, ob.dims, form).filter(|(d, _)| {
+                grouped::own_grouped_conv()
+                    && matches!(xb.dtype, DType::F32 | DType::F64)
+                    && d.pays()
+            })
         {
             let _counted = own_kernel_guard();
             match xb.dtype {

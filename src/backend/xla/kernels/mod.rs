@@ -58,8 +58,8 @@ mod after;
 mod attention;
 mod colsum;
 mod conv;
-mod depthwise;
 mod dot;
+mod grouped;
 mod mlir;
 pub(crate) mod onednn;
 mod packed;
@@ -73,8 +73,8 @@ pub(crate) mod weights;
 pub use conv::{
     conv, conv_form, conv_out_dims, effective_dims, effective_kernel_dims, weight_gradient_direct,
 };
-pub use depthwise::{own_depthwise, set_own_depthwise};
 pub use dot::{DotPlan, TinyDot, TINY_DOT_MAX_FLOPS};
+pub use grouped::{own_grouped_conv, set_own_grouped_conv};
 pub use mlir::{
     conv_call_attrs, conv_call_attrs_form, conv_call_mlir, dot_call_attrs, dot_call_mlir,
 };
