@@ -833,7 +833,6 @@ fn correlate_k<T: Real, const K: usize>(buf: &[T], taps: &[usize], w: &[T], out:
 /// For each group (`[ci, co]` channels; `co` spans of `a`, `ci` of `b`), each output `o`,
 /// channel `c` and tap `t`: `out[o][c][t] = Σ_i a[o][i] · b[c][taps[t] + i]`, summed in f64
 /// over lanes.
-#[multiversion(targets("x86_64+avx2+fma"))]
 fn dots<T: Real>(
     a: &[T],
     b: &[T],
@@ -842,7 +841,41 @@ fn dots<T: Real>(
     span: usize,
     out: &mut [T],
 ) {
+    if ci == 1 && co == 1 {
+        depthwise_dots(a, b, taps, span, out);
+    } else {
+        group_dots(a, b, taps, [ci, co], span, out);
+    }
+}
+
+/// [`dots`] of depthwise groups. (A function of its own: inside [`group_dots`]'s, its loops
+/// compiled 20–25 % slower.)
+#[multiversion(targets("x86_64+avx2+fma"))]
+fn depthwise_dots<T: Real>(a: &[T], b: &[T], taps: &[usize], span: usize, out: &mut [T]) {
     let k = taps.len();
+    for (c, (a, o)) in a
+        .chunks_exact(span)
+        .zip(out.chunks_exact_mut(k))
+        .enumerate()
+    {
+        let b = &b[c * span..];
+        match k {
+            9 => dots_k::<T, 9>(a, b, taps, o),
+            _ => dots_n(a, b, taps, o),
+        }
+    }
+}
+
+/// [`dots`] of groups of several channels.
+#[multiversion(targets("x86_64+avx2+fma"))]
+fn group_dots<T: Real>(
+    a: &[T],
+    b: &[T],
+    taps: &[usize],
+    [ci, co]: [usize; 2],
+    span: usize,
+    out: &mut [T],
+) {
     let offs = group_offsets(taps, ci, span);
     let n = offs.len();
     for (g, (a, o)) in a
@@ -851,13 +884,6 @@ fn dots<T: Real>(
         .enumerate()
     {
         let b = &b[g * ci * span..];
-        if ci == 1 && co == 1 {
-            match k {
-                9 => dots_k::<T, 9>(a, b, taps, o),
-                _ => dots_n(a, b, taps, o),
-            }
-            continue;
-        }
         let mut o0 = 0;
         while o0 < co {
             let rows = if co - o0 >= 4 { 4 } else { 1 };
