@@ -707,7 +707,6 @@ fn weight_gradient<T: Real>(
 
 /// For each group (`[ci, co]` channels; `co` spans of `out`, `ci` of `src`) and output `o`
 /// of it: `out[o][i] = Σ_c Σ_t w[o][c][t] · src[c][taps[t] + i]`.
-#[multiversion(targets("x86_64+avx2+fma"))]
 fn correlate<T: Real>(
     src: &[T],
     taps: &[usize],
@@ -716,11 +715,44 @@ fn correlate<T: Real>(
     span: usize,
     out: &mut [T],
 ) {
-    let k = taps.len();
-    if k == 0 {
+    if taps.is_empty() {
         out.fill(T::default());
-        return;
+    } else if ci == 1 && co == 1 {
+        depthwise_correlate(src, taps, w, span, out);
+    } else {
+        group_correlate(src, taps, w, [ci, co], span, out);
     }
+}
+
+/// [`correlate`] of depthwise groups (a function of its own, as [`depthwise_dots`]).
+#[multiversion(targets("x86_64+avx2+fma"))]
+fn depthwise_correlate<T: Real>(src: &[T], taps: &[usize], w: &[T], span: usize, out: &mut [T]) {
+    let k = taps.len();
+    for (c, (o, w)) in out
+        .chunks_exact_mut(span)
+        .zip(w.chunks_exact(k))
+        .enumerate()
+    {
+        let src = &src[c * span..];
+        match k {
+            9 => correlate_k::<T, 9>(src, taps, w, o),
+            25 => correlate_k::<T, 25>(src, taps, w, o),
+            _ => correlate_n(src, taps, w, o),
+        }
+    }
+}
+
+/// [`correlate`] of groups of several channels.
+#[multiversion(targets("x86_64+avx2+fma"))]
+fn group_correlate<T: Real>(
+    src: &[T],
+    taps: &[usize],
+    w: &[T],
+    [ci, co]: [usize; 2],
+    span: usize,
+    out: &mut [T],
+) {
+    let k = taps.len();
     let offs = group_offsets(taps, ci, span);
     let mut wt = Vec::new();
     for (g, (o, w)) in out
@@ -729,14 +761,6 @@ fn correlate<T: Real>(
         .enumerate()
     {
         let src = &src[g * ci * span..];
-        if ci == 1 && co == 1 {
-            match k {
-                9 => correlate_k::<T, 9>(src, taps, w, o),
-                25 => correlate_k::<T, 25>(src, taps, w, o),
-                _ => correlate_n(src, taps, w, o),
-            }
-            continue;
-        }
         // The weights by offset, every output's together.
         let n = offs.len();
         wt.clear();
