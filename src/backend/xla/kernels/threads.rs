@@ -107,7 +107,14 @@ pub enum IdlePause {
 /// two alternating harness runs of four training models there, [`IdlePause::Training`] /
 /// never, geomean split / fused: 0.85 / 0.83 against 0.92 / 0.93, then 0.97 / 0.94 against
 /// 0.90 / 0.90 (each model moving up to 30 % between runs either way), and on a Xeon a
-/// 300 µs pause in training, harness, six models: 0.90 / 0.87 against 0.93 / 0.91.
+/// 300 µs pause in training, harness, six models: 0.90 / 0.87 against 0.93 / 0.91. Later on
+/// the Zen 2 (grouped convolutions as kiln's own loops), [`IdlePause::Training`] / never:
+/// `--training --all`, two runs against three, geomean split 1.24, 1.20 against 1.19, 1.23,
+/// 1.22, fused 1.33, 1.32 against 1.29, 1.31, 1.31; five CNNs in two alternating pairs,
+/// fused: resnet50 0.85, 0.83 against 0.76, 0.81, resnext50_32x4d 0.79, 0.88 against 0.76,
+/// 0.78, resnet18 1.12, 1.12 against 1.05, 1.08, mobilenet_v2 and mnasnet1_0 level. Still
+/// not the default: the gain is within what this machine moves between runs but for the
+/// two ResNet-50s, and the Xeon's figures went the other way.
 pub fn set_idle_pause(pause: IdlePause) {
     let us = match pause {
         IdlePause::Never => u64::MAX,
