@@ -99,10 +99,10 @@ pub(crate) enum Pass {
     },
 }
 
-/// The geometry of a 2-d grouped convolution, forward: input `[n, g·ci, h, w]`, kernel
-/// `[g·co, ci, kh, kw]`, output `[n, g·co, oh, ow]`, `y[n][G·co + o][i][j] = Σ_c Σ_(a,b)
-/// k[G·co + o][c][a][b] · x[n][G·ci + c][i·s₀ + a − p₀][j·s₁ + b − p₁]` over the taps that
-/// fall inside the input.
+/// The geometry of a 2-d grouped convolution, forward: `g` groups, input `[n, g·ci, h, w]`,
+/// kernel `[g·co, ci, kh, kw]`, output `[n, g·co, oh, ow]`; output `o` of group `G` is
+/// `y[n][G·co + o][i][j] = Σ_c Σ_(a,b) k[G·co + o][c][a][b] · x[n][G·ci + c][i·s₀ + a −
+/// p₀][j·s₁ + b − p₁]` over the taps that fall inside the input.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Grouped {
     n: usize,
@@ -201,8 +201,9 @@ impl Grouped {
                 // kernel dilation = the forward stride.
                 let transposed = form == ConvForm::WeightGradientTransposed;
                 let (ci, co) = per_group(x[1], k[1])?;
-                let (ci, cout) = (ci as i64, k[1]);
-                let want = if transposed { [cout, ci] } else { [ci, cout] };
+                // `[ci, g·co, ..]`, or the weight's `[g·co, ci, ..]`.
+                let (cin, cout) = (ci as i64, k[1]);
+                let want = if transposed { [cout, cin] } else { [cin, cout] };
                 if k[0] != x[0] || out[..2] != want || !ones(&c.strides) || !ones(&c.lhs_dilation) {
                     return None;
                 }
@@ -214,7 +215,7 @@ impl Grouped {
                     [c.rhs_dilation[0], c.rhs_dilation[1]],
                     [c.padding[0].0, c.padding[1].0],
                 )?;
-                ((ci as usize, co), g, Pass::WeightGradient { transposed })
+                ((ci, co), g, Pass::WeightGradient { transposed })
             }
         };
         if ci * kh * kw > MAX_GROUP_TAPS || co > MAX_GROUP_OUTPUTS {
