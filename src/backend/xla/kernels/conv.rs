@@ -78,10 +78,10 @@ impl FfiKernel for ConvKernel {
         // Groups of a few channels (depthwise too): kiln's own loops, right here on XLA's
         // worker (see `grouped`).
         if let Some((d, pass)) =
-            Grouped::of(&c, xb.dims, kb.dims, ob.dims, form).filter(|(d, _)| {
+            Grouped::of(&c, xb.dims, kb.dims, ob.dims, form).filter(|(d, pass)| {
                 grouped::own_grouped_conv()
                     && matches!(xb.dtype, DType::F32 | DType::F64)
-                    && d.pays()
+                    && d.pays(*pass)
             })
         {
             let _counted = own_kernel_guard();

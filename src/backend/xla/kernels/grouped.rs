@@ -80,6 +80,9 @@ const FEW_OUTPUTS: usize = 8;
 /// The most positions of the wide rows per output position of a convolution on which these
 /// loops beat libtorch's (see [`Grouped::pays`]).
 const MAX_WIDE: f64 = 1.6;
+/// The most output positions per image of a convolution whose weight gradient runs here
+/// over those positions alone where the wide rows do not pay (see [`Grouped::pays`]).
+const MAX_COMPACT_OUTPUTS: usize = 4;
 
 /// Which pass of a grouped convolution a call computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -238,17 +241,28 @@ impl Grouped {
         Some((d, pass))
     }
 
-    /// Whether these loops beat libtorch's on this convolution: always on depthwise ones
-    /// (one input and one output channel per group, see the module docs); on groups of
-    /// several channels only where a group has at most [`FEW_OUTPUTS`] outputs and the wide
-    /// rows compute at most [`MAX_WIDE`] times the output positions (the product's work
-    /// grows with both; libtorch's fixed costs do not). Measured per call alone, one thread,
-    /// 2-vCPU Zen 2, batch 4, 3×3, µs, these loops / libtorch (forward, input gradient,
-    /// weight gradient): resnext50_32x4d's 128 channels in 32 groups on 16×16 302 / 994,
-    /// 315 / 1,786, 260 / 2,085; 256 on 8×8 362 / 438, 379 / 335, 341 / 229 (in the training
-    /// graph libtorch's take 662, 629, 285); but 512 on 4×4 608 / 319, 675 / 240, 703 /
-    /// 269 and 1,024 on 2×2 1,052 / 349, 1,301 / 311, 1,638 / 1,555.
-    pub(crate) fn pays(&self) -> bool {
+    /// Whether these loops beat libtorch's on this pass of this convolution: always on
+    /// depthwise ones (one input and one output channel per group, see the module docs); on
+    /// groups of several channels where a group has at most [`FEW_OUTPUTS`] outputs and the
+    /// wide rows compute at most [`MAX_WIDE`] times the output positions (the product's work
+    /// grows with both; libtorch's fixed costs do not), and for the weight gradient also
+    /// where an image has at most [`MAX_COMPACT_OUTPUTS`] output positions (computed over
+    /// those alone, see [`Compact`]; libtorch's grouped weight gradient is slowest there).
+    /// Measured per call alone, one thread, 2-vCPU Zen 2, batch 4, 3×3, µs, these loops /
+    /// libtorch (forward, input gradient, weight gradient): resnext50_32x4d's 128 channels
+    /// in 32 groups on 16×16 302 / 994, 315 / 1,786, 260 / 2,085; 256 on 8×8 362 / 438, 379 /
+    /// 335, 341 / 229 (in the training graph libtorch's take 662, 629, 285); but 512 on 4×4
+    /// 608 / 319, 675 / 240, 703 / 269 and 1,024 on 2×2 1,052 / 349, 1,301 / 311, 1,638 /
+    /// 1,555. The weight gradient over the output positions alone: 1,024 on 2×2 359 (1,692
+    /// in the graph), 1,024 on 4×4 with stride 2 419 / 546 (649 in the graph); but 512 on
+    /// 4×4 440 / 269 and on 8×8 with stride 2 541 / 317.
+    pub(crate) fn pays(&self, pass: Pass) -> bool {
+        let weight_gradient = matches!(pass, Pass::WeightGradient { .. });
+        self.wide_pays() || (weight_gradient && self.oh * self.ow <= MAX_COMPACT_OUTPUTS)
+    }
+
+    /// Whether the wide rows' products beat libtorch's on every pass (see [`Grouped::pays`]).
+    fn wide_pays(&self) -> bool {
         let (hq, wq) = Layout::phase_plane(self);
         let wide = (hq * wq) as f64;
         let depthwise = self.ci == 1 && self.co == 1;
@@ -258,12 +272,18 @@ impl Grouped {
     /// Computes `pass` of operands `a`, `b` into `out` (dense row-major, of the dims
     /// [`Grouped::of`] was given).
     pub(crate) fn run<T: Real>(&self, pass: Pass, a: &[T], b: &[T], out: &mut [T]) {
+        self.run_as(pass, a, b, out, !self.wide_pays());
+    }
+
+    /// [`Grouped::run`], the weight gradient over the output positions alone ([`Compact`])
+    /// or not.
+    fn run_as<T: Real>(&self, pass: Pass, a: &[T], b: &[T], out: &mut [T], compact: bool) {
         let planes = Layout::new(self);
         match pass {
             Pass::Forward => forward(self, &planes, a, b, out),
             Pass::InputGradient => input_gradient(self, &planes, a, b, out),
             Pass::WeightGradient { transposed } => {
-                weight_gradient(self, &planes, a, b, out, transposed)
+                weight_gradient(self, &planes, a, b, out, transposed, compact)
             }
         }
     }
@@ -667,41 +687,122 @@ fn weight_gradient<T: Real>(
     dy: &[T],
     dk: &mut [T],
     transposed: bool,
+    compact: bool,
 ) {
     let (khw, wg) = (d.kh * d.kw, d.group_weights());
     let mut buf = vec![T::default(); l.len(d)];
-    let mut wide = vec![T::default(); l.chunk * d.co * l.span];
+    let mut wide = vec![T::default(); if compact { 0 } else { l.chunk * d.co * l.span }];
     // `[ci, g·co, kh, kw]` differs from the weight's layout but for one input channel.
     let direct = transposed || d.ci == 1;
     let mut local = vec![T::default(); if direct { 0 } else { l.chunk * wg }];
+    let mut products = Compact::new(d, l, compact);
     for (g0, ng) in l.chunks(d.groups) {
         l.fill(d, x, d.inputs((g0, ng)), &mut buf);
-        l.widen(d, dy, d.outputs((g0, ng)), &mut wide);
-        let a = &wide[..ng * d.co * l.span];
+        let out = if direct {
+            &mut dk[g0 * wg..][..ng * wg]
+        } else {
+            &mut local[..ng * wg]
+        };
+        if let Some(p) = &mut products {
+            p.weight_gradient(d, l, &buf, dy, (g0, ng), out);
+        } else {
+            l.widen(d, dy, d.outputs((g0, ng)), &mut wide);
+            let a = &wide[..ng * d.co * l.span];
+            dots(a, &buf, &l.taps, [d.ci, d.co], l.span, out);
+        }
         if direct {
-            dots(
-                a,
-                &buf,
-                &l.taps,
-                [d.ci, d.co],
-                l.span,
-                &mut dk[g0 * wg..][..ng * wg],
-            );
             continue;
         }
-        dots(
-            a,
-            &buf,
-            &l.taps,
-            [d.ci, d.co],
-            l.span,
-            &mut local[..ng * wg],
-        );
         let outputs = d.groups * d.co;
         for (o, w) in local[..ng * wg].chunks_exact(d.ci * khw).enumerate() {
             for (c, w) in w.chunks_exact(khw).enumerate() {
                 dk[(c * outputs + g0 * d.co + o) * khw..][..khw].copy_from_slice(w);
             }
+        }
+    }
+}
+
+/// The weight gradient of groups of many outputs on few positions as a product over the
+/// output positions alone: each group's im2col matrix, transposed (`[positions][ci · taps]`,
+/// rows rounded up to a block), and its cotangent `[co][positions]`, both gathered from
+/// their layouts; the wide rows' positions past the outputs are not computed.
+struct Compact<T> {
+    /// For each output position (image, row, column), its place in the wide layout.
+    wide: Vec<usize>,
+    /// Where each (channel, tap) run of a group starts (see [`group_offsets`]).
+    offs: Vec<usize>,
+    /// Columns of a row of `cols` (`ci · taps` rounded up to a block).
+    row: usize,
+    /// The chunk's im2col matrices, transposed.
+    cols: Vec<T>,
+    /// The chunk's cotangents.
+    dy: Vec<T>,
+    /// The chunk's products `[co][row]`.
+    out: Vec<T>,
+}
+
+impl<T: Real> Compact<T> {
+    fn new(d: &Grouped, l: &Layout, on: bool) -> Option<Compact<T>> {
+        if !on {
+            return None;
+        }
+        let wide: Vec<usize> = (0..d.n)
+            .flat_map(|n| (0..d.oh).flat_map(move |i| (0..d.ow).map(move |j| (n, i, j))))
+            .map(|(n, i, j)| n * l.img + i * l.wq + j)
+            .collect();
+        let offs = group_offsets(&l.taps, d.ci, l.span);
+        let row = offs.len().div_ceil(ROW_BLOCK) * ROW_BLOCK;
+        let positions = wide.len();
+        Some(Compact {
+            cols: vec![T::default(); l.chunk * positions * row],
+            dy: vec![T::default(); l.chunk * d.co * positions],
+            out: vec![T::default(); l.chunk * d.co * row],
+            wide,
+            offs,
+            row,
+        })
+    }
+
+    /// The weight gradients `[co][ci][taps]` of groups `g0..g0 + ng` into `dk`, from their
+    /// inputs' phases `buf` and the cotangent `dy` (`[n, g·co, oh, ow]`).
+    fn weight_gradient(
+        &mut self,
+        d: &Grouped,
+        l: &Layout,
+        buf: &[T],
+        dy: &[T],
+        (g0, ng): (usize, usize),
+        dk: &mut [T],
+    ) {
+        let (p, row, k) = (self.wide.len(), self.row, self.offs.len());
+        let ohw = d.oh * d.ow;
+        for g in 0..ng {
+            let src = &buf[g * d.ci * l.span..];
+            let cols = &mut self.cols[g * p * row..][..p * row];
+            for (r, &at) in cols.chunks_exact_mut(row).zip(&self.wide) {
+                for (v, &off) in r.iter_mut().zip(&self.offs) {
+                    *v = src[off + at];
+                }
+            }
+            let dyg = &mut self.dy[g * d.co * p..][..d.co * p];
+            for (o, to) in dyg.chunks_exact_mut(p).enumerate() {
+                for (n, to) in to.chunks_exact_mut(ohw).enumerate() {
+                    let plane = (n * d.groups * d.co + (g0 + g) * d.co + o) * ohw;
+                    to.copy_from_slice(&dy[plane..][..ohw]);
+                }
+            }
+        }
+        let out = &mut self.out[..ng * d.co * row];
+        correlate(
+            &self.cols[..ng * p * row],
+            &[0],
+            &self.dy[..ng * d.co * p],
+            [p, d.co],
+            row,
+            out,
+        );
+        for (to, from) in dk.chunks_exact_mut(k).zip(out.chunks_exact(row)) {
+            to.copy_from_slice(&from[..k]);
         }
     }
 }
@@ -1082,6 +1183,10 @@ mod tests {
             ([2, 64, 4, 4], [3, 3], [1, 1], [(1, 1), (1, 1)], 2, 64),
             ([4, 96, 14, 14], [3, 3], [1, 1], [(1, 1), (1, 1)], 24, 96),
             ([1, 6, 5, 4], [3, 3], [1, 1], [(-1, 0), (1, 2)], 2, 4),
+            // resnext's widest groups on 2×2 outputs (the weight gradient over the output
+            // positions alone), one of them strided.
+            ([2, 64, 2, 2], [3, 3], [1, 1], [(1, 1), (1, 1)], 2, 64),
+            ([1, 32, 4, 4], [3, 3], [2, 2], [(1, 1), (1, 1)], 2, 32),
         ]);
         cases
     }
@@ -1166,14 +1271,38 @@ mod tests {
                     assert!((g - w).abs() <= tol, "{what} f64 [{j}]: {g} vs {w}");
                 }
                 let (a32, b32) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
-                let mut got32 = vec![0f32; numel];
-                d.run(pass, &values::<f32>(&a32), &values::<f32>(&b32), &mut got32);
-                for (j, ((g, w), b)) in got32.iter().zip(&want64).zip(&bound).enumerate() {
-                    let tol = (terms + 2.0) * f32::EPSILON as f64 * b;
-                    assert!(
-                        (*g as f64 - w).abs() <= tol,
-                        "{what} f32 [{j}]: {g} vs {w} (tol {tol})"
+                // The weight gradient both ways: over the wide rows and over the output
+                // positions alone.
+                let routes: &[bool] = match pass {
+                    Pass::WeightGradient { .. } => &[false, true],
+                    _ => &[false],
+                };
+                for &compact in routes {
+                    let mut got = vec![0f64; numel];
+                    d.run_as(
+                        pass,
+                        &values::<f64>(&a),
+                        &values::<f64>(&b),
+                        &mut got,
+                        compact,
                     );
+                    for (j, ((g, w), b)) in got.iter().zip(&want64).zip(&bound).enumerate() {
+                        let tol = 2.0 * (terms + 2.0) * f64::EPSILON * b;
+                        assert!(
+                            (g - w).abs() <= tol,
+                            "{what} {compact} f64 [{j}]: {g} vs {w}"
+                        );
+                    }
+                    let mut got32 = vec![0f32; numel];
+                    let (a32, b32) = (values::<f32>(&a32), values::<f32>(&b32));
+                    d.run_as(pass, &a32, &b32, &mut got32, compact);
+                    for (j, ((g, w), b)) in got32.iter().zip(&want64).zip(&bound).enumerate() {
+                        let tol = (terms + 2.0) * f32::EPSILON as f64 * b;
+                        assert!(
+                            (*g as f64 - w).abs() <= tol,
+                            "{what} {compact} f32 [{j}]: {g} vs {w} (tol {tol})"
+                        );
+                    }
                 }
             }
         }
@@ -1253,17 +1382,16 @@ mod tests {
 
     #[test]
     fn runs_depthwise_always_and_small_groups_on_little_waste() {
-        let pays = |x: [i64; 4], k: [i64; 4], groups, stride: usize| {
+        let of = |x: [i64; 4], k: [i64; 4], groups, stride: usize| {
             let mut c = ConvAttrs::plain(2);
             c.feature_groups = groups;
             c.strides = vec![stride; 2];
             c.padding = vec![(1, 1); 2];
             let o = conv_out_dims(&c, &x, &k).unwrap();
-            Grouped::of(&c, &x, &k, &o, ConvForm::Plain)
-                .unwrap()
-                .0
-                .pays()
+            Grouped::of(&c, &x, &k, &o, ConvForm::Plain).unwrap().0
         };
+        let pays = |x, k, groups, stride| of(x, k, groups, stride).pays(Pass::Forward);
+        let dk = Pass::WeightGradient { transposed: true };
         // Depthwise on 2×2 (4 wide positions per output); resnext50_32x4d's groups of 4 on
         // 16×16 and of 8 on 8×8, and its stride-2 one; not its groups of 16 and 32, nor 8
         // on 2×2.
@@ -1274,5 +1402,10 @@ mod tests {
         assert!(!pays([4, 512, 4, 4], [512, 16, 3, 3], 32, 1));
         assert!(!pays([4, 1024, 2, 2], [1024, 32, 3, 3], 32, 1));
         assert!(!pays([4, 256, 2, 2], [256, 8, 3, 3], 32, 1));
+        // The weight gradients of its groups of 32 on 2×2 outputs, but not of 16 on 4×4.
+        assert!(of([4, 1024, 2, 2], [1024, 32, 3, 3], 32, 1).pays(dk));
+        assert!(of([4, 1024, 4, 4], [1024, 32, 3, 3], 32, 2).pays(dk));
+        assert!(!of([4, 512, 4, 4], [512, 16, 3, 3], 32, 1).pays(dk));
+        assert!(!of([4, 512, 8, 8], [512, 16, 3, 3], 32, 2).pays(dk));
     }
 }
