@@ -792,6 +792,8 @@ impl<T: Real> Compact<T> {
                 }
             }
         }
+        // `out[o][r] = Σ_p dy[o][p] · cols[p][r]`: a correlation with the positions as input
+        // channels of one tap each.
         let out = &mut self.out[..ng * d.co * row];
         correlate(
             &self.cols[..ng * p * row],
