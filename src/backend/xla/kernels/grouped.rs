@@ -599,22 +599,21 @@ impl Layout {
 
 impl Grouped {
     /// The input channels of groups `g0..g0 + len`.
-    fn inputs(&self, (g0, len): (usize, usize)) -> Channels {
-        let ci = self.ci;
-        Channels {
-            of: self.groups * ci,
-            c0: g0 * ci,
-            len: len * ci,
-        }
+    fn inputs(&self, groups: (usize, usize)) -> Channels {
+        self.channels(self.ci, groups)
     }
 
     /// The output channels of groups `g0..g0 + len`.
-    fn outputs(&self, (g0, len): (usize, usize)) -> Channels {
-        let co = self.co;
+    fn outputs(&self, groups: (usize, usize)) -> Channels {
+        self.channels(self.co, groups)
+    }
+
+    /// The channels of groups `g0..g0 + len` in an array of `per` channels a group.
+    fn channels(&self, per: usize, (g0, len): (usize, usize)) -> Channels {
         Channels {
-            of: self.groups * co,
-            c0: g0 * co,
-            len: len * co,
+            of: self.groups * per,
+            c0: g0 * per,
+            len: len * per,
         }
     }
 
