@@ -6,8 +6,9 @@
 //! Checks that the first step on N replicas equals one device's step on the whole N·B batch
 //! (loss and every parameter within 1e-5 relative; exits non-zero otherwise), in split and fused
 //! mode, then trains for a few epochs from the same initial parameters and reports samples per
-//! second for each N. The CPU devices share the machine's cores, so more devices need not be
-//! faster: the figures are reported, not asserted.
+//! second for each N. The CPU devices share the machine's cores (and the client's thread pool
+//! has at least one thread per device), so more devices need not be faster: the figures are
+//! reported, not asserted.
 //!
 //! `cargo run --release --example data_parallel [-- --epochs N]`
 
@@ -15,7 +16,7 @@
 mod digits;
 
 use digits::{permutation, Digits};
-use kiln::backend::xla::XlaBackend;
+use kiln::backend::xla::{default_plugin_path, pjrt::NamedValue, XlaBackend};
 use kiln::backend::Backend;
 use kiln::nn::{Module, ParamStore, Shared};
 use kiln::optim::Sgd;
@@ -82,7 +83,11 @@ fn main() -> kiln::Result<()> {
         .nth(1)
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
-    let xla = XlaBackend::new()?;
+    // 4 CPU devices whatever the core count (`XlaBackend::new` makes one per core, at most 4).
+    let xla = XlaBackend::from_plugin_with(
+        default_plugin_path()?,
+        &[("cpu_device_count".to_string(), NamedValue::Int(4))],
+    )?;
     let devices = xla.client().addressable_device_count();
     let data = Digits::load()?;
     let order = permutation(data.len(), 0);

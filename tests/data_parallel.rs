@@ -21,6 +21,16 @@ use kiln::optim::{AdamW, Optimizer, Sgd};
 use kiln::train::{TrainMode, TrainStep};
 use kiln::{DType, Tensor, TraceMode};
 
+/// A client with 4 CPU devices whatever the machine's CPU count (`XlaBackend::new` makes
+/// one per CPU, at most 4; these tests run up to 4 replicas).
+fn four_devices() -> kiln::Result<XlaBackend> {
+    use kiln::backend::xla::{default_plugin_path, pjrt::NamedValue};
+    XlaBackend::from_plugin_with(
+        default_plugin_path()?,
+        &[("cpu_device_count".to_string(), NamedValue::Int(4))],
+    )
+}
+
 /// Trains from the same initial parameters on one device (batch of `rows`) and on `replicas`
 /// devices (the same batch, `rows / replicas` per replica); returns the largest relative
 /// error of the losses and of every variable (parameters and the running buffer) over
@@ -55,7 +65,7 @@ where
 {
     let one_store = ParamStore::with_seed(7);
     let one_net = Net::new(&one_store, 0.0)?;
-    let mut one = TrainStep::new(XlaBackend::new()?, &one_store, opt, move |xs| {
+    let mut one = TrainStep::new(four_devices()?, &one_store, opt, move |xs| {
         mse(&one_net, xs)
     })?
     .with_mode(mode)
@@ -90,7 +100,7 @@ where
 
 #[test]
 fn n_replicas_train_like_one_device_on_the_whole_batch() -> kiln::Result<()> {
-    let xla = XlaBackend::new()?;
+    let xla = four_devices()?;
     for replicas in [2, 4] {
         for mode in [TrainMode::Split, TrainMode::Fused] {
             let sgd = compare(
@@ -132,7 +142,7 @@ fn all_reduced_gradients_are_the_mean_of_the_replicas_gradients() -> kiln::Resul
     for r in 0..replicas {
         let store = ParamStore::with_seed(11);
         let net = Net::new(&store, 0.0)?;
-        let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
+        let mut step = TrainStep::new(four_devices()?, &store, Sgd::new(), move |xs| {
             loss(&net, xs)
         })?
         .with_lr(1.0);
@@ -148,7 +158,7 @@ fn all_reduced_gradients_are_the_mean_of_the_replicas_gradients() -> kiln::Resul
         let store = ParamStore::with_seed(11);
         let net = Net::new(&store, 0.0)?;
         let mut step = TrainStep::new(
-            XlaBackend::new()?.replicated(replicas)?,
+            four_devices()?.replicated(replicas)?,
             &store,
             Sgd::new(),
             move |xs| loss(&net, xs),
@@ -177,7 +187,7 @@ fn all_reduced_gradients_are_the_mean_of_the_replicas_gradients() -> kiln::Resul
 
 #[test]
 fn a_batch_the_replicas_cannot_split_is_an_error() -> kiln::Result<()> {
-    let xla = XlaBackend::new()?;
+    let xla = four_devices()?;
     let store = ParamStore::with_seed(0);
     let net = Net::new(&store, 0.0)?;
     let mut step = TrainStep::new(xla.replicated(4)?, &store, Sgd::new(), move |xs| {
@@ -203,7 +213,7 @@ fn only_the_batch_shards_move_and_state_is_donated_on_every_device() -> kiln::Re
         let store = ParamStore::with_seed(1);
         let net = Net::new(&store, 0.0)?;
         let n_params = store.trainable().len() as u64;
-        let backend = XlaBackend::new()?.replicated(replicas)?;
+        let backend = four_devices()?.replicated(replicas)?;
         let mut step = sgd_step(backend, &store, net, mode, 0.01)?;
         let b = batch(8, 0)?;
         let batch_bytes: usize = b.iter().map(|t| t.ty().size_in_bytes()).sum();
@@ -237,7 +247,7 @@ fn only_the_batch_shards_move_and_state_is_donated_on_every_device() -> kiln::Re
 
 #[test]
 fn inference_shards_the_batch_and_joins_the_results() -> kiln::Result<()> {
-    let xla = XlaBackend::new()?;
+    let xla = four_devices()?;
     let store = ParamStore::with_seed(5);
     let net = kiln::nn::Shared::new(Net::new(&store, 0.0)?);
     let x = Tensor::randn(&[8, 6], 9)?;
@@ -297,7 +307,7 @@ fn combined(kind: ReduceKind, shards: &[HostTensor]) -> Vec<f64> {
 fn concurrent_replicated_calls_keep_their_collectives_apart() -> kiln::Result<()> {
     let worker = |dtype: DType, kind: ReduceKind, replicas: usize, len: usize| {
         std::thread::spawn(move || -> kiln::Result<()> {
-            let b = XlaBackend::new()?.replicated(replicas)?;
+            let b = four_devices()?.replicated(replicas)?;
             let ty = TensorType::new(dtype, [len]);
             let mut g = Graph::new();
             let x = g.add_input(InputKind::Data, "x", ty);
@@ -337,7 +347,7 @@ fn concurrent_replicated_calls_keep_their_collectives_apart() -> kiln::Result<()
 /// is the identity. The values are small integers, so every combination is exact.
 #[test]
 fn all_reduce_combines_every_replica_and_is_the_identity_on_one() -> kiln::Result<()> {
-    let xla = XlaBackend::new()?;
+    let xla = four_devices()?;
     for dtype in [DType::F32, DType::F64, DType::I32] {
         for kind in [ReduceKind::Sum, ReduceKind::Max, ReduceKind::Min] {
             let ty = TensorType::new(dtype, [3, 5]);
@@ -440,7 +450,7 @@ fn compile_options_carry_replicas_and_device_assignment() -> kiln::Result<()> {
         compile_options_bytes_for(2, None, &[]),
         [0x1a, 0x04, 0x20, 0x02, 0x28, 0x01]
     );
-    let xla = XlaBackend::new()?;
+    let xla = four_devices()?;
     let client = xla.client();
     assert_eq!(
         client.addressable_device_ids()?,
@@ -482,7 +492,7 @@ fn checkpoints_and_the_disk_cache_work_on_replicas() -> kiln::Result<()> {
     use kiln::runtime::ExecutableCache;
     let dir = std::env::temp_dir().join(format!("kiln-dp-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| kiln::Error::Invalid(e.to_string()))?;
-    let xla = XlaBackend::new()?;
+    let xla = four_devices()?;
     let make = |seed: u64| -> kiln::Result<(TrainStep<_>, ParamStore)> {
         let store = ParamStore::with_seed(seed);
         let net = Net::new(&store, 0.0)?;
@@ -527,7 +537,7 @@ fn a_constant_gradient_is_averaged_to_itself() -> kiln::Result<()> {
             .param("w", &[6, 3], Init::Uniform { lo: -1.0, hi: 1.0 })?;
         let b = store.root().param("b", &[3], Init::Const(0.5))?;
         let loss = move |xs: &[Tensor]| xs[0].matmul(&w)?.mean_all()?.add(&b.sum_all()?);
-        let xla = XlaBackend::new()?;
+        let xla = four_devices()?;
         let mut step = TrainStep::new(xla.replicated(replicas)?, &store, Sgd::new(), loss)?
             .with_mode(TrainMode::Fused)
             .with_lr(0.1);
@@ -555,7 +565,7 @@ fn a_constant_gradient_is_averaged_to_itself() -> kiln::Result<()> {
 fn replicas_run_the_libtorch_kernels_too() -> kiln::Result<()> {
     use kiln::backend::xla::{FfiMode, XlaOptions};
     use kiln::nn::{Conv2d, Conv2dConfig, Flatten, Relu, Sequential, Shared};
-    let xla = XlaBackend::new()?.with_options(XlaOptions::default().ffi(FfiMode::All));
+    let xla = four_devices()?.with_options(XlaOptions::default().ffi(FfiMode::All));
     if let Err(why) = xla.ffi_status() {
         eprintln!("skipped: the plugin does not run kiln's kernels: {why}");
         return Ok(());
@@ -614,7 +624,7 @@ fn replicas_run_the_libtorch_kernels_too() -> kiln::Result<()> {
 /// other configurations are data-parallel too.
 #[test]
 fn trace_every_step_and_recompute_policy_on_replicas() -> kiln::Result<()> {
-    let xla = XlaBackend::new()?;
+    let xla = four_devices()?;
     let e = compare_with(
         xla.replicated(2)?,
         Sgd::new().momentum(0.9),

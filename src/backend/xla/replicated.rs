@@ -55,7 +55,7 @@ impl XlaBackend {
     ///
     /// # Errors
     /// [`Error::Invalid`] if `replicas` is 0 or more than the client's addressable devices
-    /// (the CPU plugin has 4 by default).
+    /// (on the CPU plugin, [`XlaBackend::new`] makes one device per CPU, at most 4).
     pub fn replicated(&self, replicas: usize) -> Result<Replicated> {
         let devices = self.client().addressable_device_count();
         if replicas == 0 || replicas > devices {
