@@ -173,9 +173,9 @@ pub struct Cli {
     /// Threads for BOTH sides; 0 (the default) = each side's own default: libtorch's
     /// intra-op threads (one per core) and the XLA CPU plugin's pool. N > 0 sets libtorch's
     /// intra-op threads to N and restricts the whole process to N CPUs (sched_setaffinity)
-    /// before XLA's client exists. The XLA CPU plugin has no thread-count option and its pool
-    /// keeps its size (4 threads on 2 vCPUs with xla-cpu-pjrt 0.0.1); the affinity confines
-    /// those threads to the N CPUs. For single-core comparisons: 1.
+    /// before XLA's client exists. The XLA CPU plugin has no thread-count option; its pool
+    /// gets one thread per CPU the process may use (kiln asks for at most one CPU device per
+    /// CPU), so N threads on the N CPUs. For single-core comparisons: 1.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub threads: usize,
 

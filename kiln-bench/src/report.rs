@@ -431,9 +431,13 @@ impl Report {
             .as_deref()
             .map(|d| format!(" ({d})"))
             .unwrap_or_default();
+        let pool = crate::threads::xla_pool_threads()
+            .filter(|&n| n > 0)
+            .map(|n| format!(" (XLA's intra-op pool: {n} thread(s))"))
+            .unwrap_or_default();
         format!(
             "{eager}; compiled: {}{detail}, its threads confined to {} CPU(s) by the process's \
-             CPU affinity (the XLA CPU plugin has no thread-count option; its pool keeps its size)",
+             CPU affinity{pool}",
             self.backend, t.cpus
         )
     }

@@ -3,11 +3,13 @@
 //! CPU affinity that confines XLA's CPU threads.
 //!
 //! libtorch's intra-op threads are set directly (`tch::set_num_threads`). The XLA CPU plugin
-//! has no thread-count option in its client-create options, and its intra-op pool does not
-//! follow the CPU affinity either (xla-cpu-pjrt 0.0.1 starts 4 `tf_XLAEigen` threads on 2 vCPUs
-//! with or without `--threads 1`, counted in /proc/PID/task). So `--threads N` restricts the
-//! whole process to N CPUs (`sched_setaffinity`, inherited by every thread started later):
-//! XLA's threads then share those N CPUs; both sides get N cores' worth of compute. Measured
+//! has no thread-count option in its client-create options: its intra-op pool gets one thread
+//! per CPU the process may use or per device, whichever is more, and kiln's `XlaBackend` asks
+//! for at most one device per CPU (before that, xla-cpu-pjrt 0.0.1's default 4 devices meant 4
+//! `tf_XLAEigen` threads on 2 vCPUs, with or without `--threads 1`). So `--threads N`
+//! restricts the whole process to N CPUs (`sched_setaffinity`, inherited by every thread
+//! started later) before the client exists: XLA's pool then has N threads on those N CPUs;
+//! both sides get N cores' worth of compute. Measured, with the 4-thread pool
 //! (resnet18 inference, per-thread CPU ticks from /proc over 10 s on a loaded 2-vCPU machine):
 //! the process used 0.59-0.71x of the CPU time it used without `--threads 1`, XLA's pool
 //! threads included. Compiling with `xla_cpu_multi_thread_eigen=false` does not move XLA's
@@ -24,6 +26,17 @@ use crate::error::{Error, Result};
 // did not stall XLA (compiled resnet18 13.6 ms under `PASSIVE`, 13.9–15.6 ms under the
 // default). Eager is timed both alone, before any compiled run, and interleaved with the
 // compiled runs (see `runner::run`).
+
+/// How many threads of this process are XLA CPU intra-op pool threads (named `tf_XLAEigen`
+/// by TSL), counted in /proc/self/task; `None` where that cannot be read.
+pub fn xla_pool_threads() -> Option<usize> {
+    let tasks = std::fs::read_dir("/proc/self/task").ok()?;
+    let n = tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.contains("XLAEigen"))
+        .count();
+    Some(n)
+}
 
 /// The CPUs this thread may run on (new threads inherit the set).
 pub fn allowed_cpus() -> Result<Vec<usize>> {

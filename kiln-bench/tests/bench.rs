@@ -554,7 +554,7 @@ fn cli_from_another_directory() {
 }
 
 /// `--threads 1` puts both sides on one thread (libtorch's intra-op threads, and the process's
-/// CPU affinity that sizes XLA's pool), the header and CSV say so and name the plugin; OpenMP
+/// CPU affinity that sizes XLA's pool: one thread), the header and CSV say so and name the plugin; OpenMP
 /// waits passively; a missing `--plugin` file is a clear error.
 #[test]
 fn cli_threads_and_plugin() {
@@ -574,6 +574,7 @@ fn cli_threads_and_plugin() {
         stdout.contains(
             "eager: libtorch 1 intra-op thread(s) (--threads), timed interleaved with the compiled runs"
         ) && stdout.contains("confined to 1 CPU(s)")
+            && stdout.contains("XLA's intra-op pool: 1 thread(s)")
             && stdout.contains("plugin ")
             && stdout.contains("PJRT C API"),
         "{stdout}"
