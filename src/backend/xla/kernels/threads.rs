@@ -234,8 +234,8 @@ pub(crate) fn own_kernel_guard() -> KernelGuard {
 /// [`serialized`], takes the process-wide kernel lock; the guard also counts the kernel's
 /// time into [`stats`].
 ///
-/// XLA's CPU runtime runs independent thunks concurrently on its worker threads (4 on 2
-/// cores), so two custom calls can start at once. Each libtorch kernel already spreads over
+/// XLA's CPU runtime runs independent thunks concurrently on its worker threads (one per
+/// core, see `XlaBackend::new`), so two custom calls can start at once. Each libtorch kernel already spreads over
 /// all cores (OpenMP, one thread per core by default); two at once would oversubscribe them
 /// with two OpenMP teams. With the lock, at most one libtorch kernel runs at a time.
 pub fn torch_lock() -> KernelGuard {
