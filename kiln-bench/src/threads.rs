@@ -28,7 +28,9 @@ use crate::error::{Error, Result};
 // compiled runs (see `runner::run`).
 
 /// How many threads of this process are XLA CPU intra-op pool threads (named `tf_XLAEigen`
-/// by TSL), counted in /proc/self/task; `None` where that cannot be read.
+/// by TSL), counted in /proc/self/task; `None` where that cannot be read. Threads inherit
+/// their creator's name, so with `KILN_KERNEL_HANDOFF=off` the OpenMP threads that kernels
+/// start from XLA's workers count too.
 pub fn xla_pool_threads() -> Option<usize> {
     let tasks = std::fs::read_dir("/proc/self/task").ok()?;
     let n = tasks

@@ -59,7 +59,21 @@ pub fn threads() -> Option<usize> {
 /// Whether XLA's worker threads hand kernel calls to the thread waiting for the execution's
 /// results (default `true`, or `false` if the environment says `KILN_KERNEL_HANDOFF=off`;
 /// see the module notes). `false` runs each kernel on the worker XLA called it from, with
-/// libtorch's threads: for comparisons.
+/// libtorch's threads.
+///
+/// `false` can make kiln's own programs faster, at the cost of the process's other libtorch
+/// work: each worker that runs a kernel starts an OpenMP team, and with more OpenMP threads
+/// than CPUs libgomp shortens every team's spinning (its throttled spin count), eager's
+/// too. Measured on a 2-vCPU Zen 2 with XLA's pool at 2 threads (one per CPU), harness
+/// `--all`, two runs of each setting against three: inference 1.41× / 1.37× of eager against
+/// 1.31–1.34× (bert 1.26× / 1.11×, vit 1.23× / 1.07×), training 1.34× / 1.36× split and
+/// 1.41× / 1.48× fused against 1.24–1.30× and 1.34–1.39× (resnet50's split step 179–181
+/// against 190–202 ms; bert's and vit's steps level or slower); eager timed alone, before any
+/// compiled run, in both. But eager in the same process after compiled runs: mobilenet_v2
+/// inference 12.7 ms alone, 17.1 ms after (14.2 ms with handing over;
+/// `examples/eager_interference.rs`), and the harness's interleaved eager training steps
+/// 72 ms geomean against 59 ms alone. On by default so that linking kiln does not slow a
+/// program's own libtorch code; a process that runs little else may turn it off.
 pub fn set_handoff(on: bool) {
     handoff::set_wanted(on);
 }
