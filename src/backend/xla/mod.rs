@@ -365,12 +365,17 @@ fn cpu_client_within_cpus(
 /// Sets `TF_CPP_MIN_LOG_LEVEL=1` where the user has not set it. The CPU plugin logs every
 /// create option it reads at INFO level to stderr ("cpu_device_count set via create_options:
 /// 2", after a line saying its logging is not initialized). Its logging (TSL's) honours this
-/// variable, read when the plugin is loaded; 1 keeps warnings and errors.
+/// variable, read when the plugin is loaded; 1 keeps warnings and errors. Once per process:
+/// changing the environment races with C code reading it on other threads, so it is done
+/// at most once, before the first plugin loads.
 fn quiet_plugin_info_logs() {
-    const VAR: &str = "TF_CPP_MIN_LOG_LEVEL";
-    if std::env::var_os(VAR).is_none() {
-        std::env::set_var(VAR, "1");
-    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        const VAR: &str = "TF_CPP_MIN_LOG_LEVEL";
+        if std::env::var_os(VAR).is_none() {
+            std::env::set_var(VAR, "1");
+        }
+    });
 }
 
 impl XlaBackend {
