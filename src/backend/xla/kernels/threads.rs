@@ -72,7 +72,8 @@ pub fn threads() -> Option<usize> {
 /// compiled run, in both. But eager in the same process after compiled runs: mobilenet_v2
 /// inference 12.7 ms alone, 17.1 ms after (14.2 ms with handing over;
 /// `examples/eager_interference.rs`), and the harness's interleaved eager training steps
-/// 72 ms geomean against 59 ms alone. On by default so that linking kiln does not slow a
+/// 70 / 72 ms geomean against 58 / 59 ms alone (with handing over 63–65 against 56–57;
+/// inference 13.1 / 13.4 against 12.3 / 12.5, with handing over level). On by default so that linking kiln does not slow a
 /// program's own libtorch code; a process that runs little else may turn it off.
 pub fn set_handoff(on: bool) {
     handoff::set_wanted(on);
