@@ -1387,14 +1387,18 @@ mod tests {
     #[test]
     fn cpu_clients_get_at_most_one_device_per_cpu() -> crate::Result<()> {
         let api = pjrt::Api::load(&default_plugin_path()?)?;
+        // xla-cpu-pjrt 0.0.1 makes 4; the checks below hold for any default.
         let plugin_default = pjrt::Client::new(&api)?.addressable_device_count();
-        assert_eq!(plugin_default, 4, "xla-cpu-pjrt 0.0.1 makes 4 CPU devices");
         let devices = |opts: &[(String, pjrt::NamedValue)], cpus| -> crate::Result<usize> {
             Ok(cpu_client_within_cpus(&api, opts, cpus)?.addressable_device_count())
         };
-        assert_eq!(devices(&[], Some(1))?, 1);
-        assert_eq!(devices(&[], Some(2))?, 2);
-        assert_eq!(devices(&[], Some(64))?, plugin_default);
+        for cpus in [1, 2, 64] {
+            assert_eq!(
+                devices(&[], Some(cpus))?,
+                cpus.min(plugin_default),
+                "{cpus} CPUs"
+            );
+        }
         assert_eq!(devices(&[], None)?, plugin_default);
         let eight = [("cpu_device_count".to_string(), pjrt::NamedValue::Int(8))];
         assert_eq!(devices(&eight, Some(2))?, 8);

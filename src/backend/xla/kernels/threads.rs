@@ -73,8 +73,9 @@ pub fn threads() -> Option<usize> {
 /// inference 12.7 ms alone, 17.1 ms after (14.2 ms with handing over;
 /// `examples/eager_interference.rs`), and the harness's interleaved eager training steps
 /// 70 / 72 ms geomean against 58 / 59 ms alone (with handing over 63–65 against 56–57;
-/// inference 13.1 / 13.4 against 12.3 / 12.5, with handing over level). On by default so that linking kiln does not slow a
-/// program's own libtorch code; a process that runs little else may turn it off.
+/// inference 13.1 / 13.4 against 12.3 / 12.5, with handing over level). On by default so
+/// that linking kiln does not slow a program's own libtorch code; a process that runs little
+/// else may turn it off.
 pub fn set_handoff(on: bool) {
     handoff::set_wanted(on);
 }
@@ -250,9 +251,9 @@ pub(crate) fn own_kernel_guard() -> KernelGuard {
 /// time into [`stats`].
 ///
 /// XLA's CPU runtime runs independent thunks concurrently on its worker threads (one per
-/// core, see `XlaBackend::new`), so two custom calls can start at once. Each libtorch kernel already spreads over
-/// all cores (OpenMP, one thread per core by default); two at once would oversubscribe them
-/// with two OpenMP teams. With the lock, at most one libtorch kernel runs at a time.
+/// core, see `XlaBackend::new`), so two custom calls can start at once. Each libtorch kernel
+/// already spreads over all cores (OpenMP, one thread per core by default); two at once
+/// would oversubscribe them with two OpenMP teams. With the lock, at most one libtorch kernel runs at a time.
 pub fn torch_lock() -> KernelGuard {
     static LOCK: Mutex<()> = Mutex::new(());
     let n = THREADS.load(Ordering::Relaxed);
