@@ -599,9 +599,8 @@ fn cli_threads_and_plugin() {
     );
 }
 
-/// On one CPU the XLA backend's rule hands every product of a training step to libtorch
-/// (`kernels::rule_selection`): the split and fused steps of a convolutional model and of the
-/// LinearModel still pass the accuracy checks there.
+/// On one CPU (`--threads 1`: XLA's pool one thread, libtorch one thread) the split and
+/// fused steps of a convolutional model and of the LinearModel pass the accuracy checks.
 #[test]
 fn cli_threads_1_training_accuracy() {
     let exe = Path::new(env!("CARGO_BIN_EXE_kiln-bench"));

@@ -153,12 +153,7 @@ impl FfiMode {
             FfiMode::Auto if onednn::avx512() => "auto15-avx512",
             FfiMode::Auto => "auto15",
         };
-        // The rule's training graphs depend on the process's CPUs (`rule_selection`).
-        if process_cpus() == Some(1) {
-            format!("{rule}-1cpu")
-        } else {
-            rule.into()
-        }
+        rule.into()
     }
 
     /// Should this convolution (attributes `c`, input type `x`, kernel type `k`) be lowered to
@@ -643,26 +638,17 @@ impl FfiSelect for FfiMode {
 /// step 44.3 / 37.1 → 42.4 / 25.8. mobilenet_v2's and mnasnet1_0's steps (whose kernels
 /// are all grouped) and vit's do not change.
 ///
-/// With one CPU ([`process_cpus`]), a graph that computes gradients ([`computes_gradients`]:
-/// a training step, or its backward part) hands every supported convolution and dot to
-/// libtorch under [`FfiMode::Auto`]: XLA then has no second core for its own products, and
-/// libtorch's are faster on one thread. Measured on a 2-vCPU Xeon with AVX-512, the process
-/// confined to one CPU, fused SGD steps alternating in one process, ms, this rule against the
-/// two-CPU rule: vit 51.8 vs 75.8, bert 65–73 vs 88.9, mobilenet_v2 55.7 vs 71.6,
-/// squeezenet1_1 23.8 vs 29.0, resnet18 74.2 vs 75.9. On two CPUs the same choice makes the
-/// steps slower (vit 45.0 vs 42.3, bert 56.4 vs 47.2), and inference graphs gain nothing from
-/// it on one CPU (resnet18 15.5 vs 16.0, squeezenet1_1 4.65 vs 4.26, bert 14.1 vs 14.3).
+/// Until 2026-12-06 a process on one CPU ([`process_cpus`]) also handed every supported
+/// convolution and dot of a graph that computes gradients to libtorch: measured when XLA's
+/// pool ran 4 threads on that CPU (2-vCPU Xeon, fused steps on one CPU, ms: vit 51.8 vs 75.8,
+/// bert 65–73 vs 88.9). With XLA's pool at one thread per CPU (`XlaBackend::new`) that rule
+/// made the steps slower: harness `--threads 1 --training`, default subset, 2-vCPU Zen 2,
+/// without / with it, split and fused: geomean 1.52× / 1.36× and 1.75× / 1.48× of eager
+/// (squeezenet1_1 1.29× / 0.96× and 1.31× / 0.85×, mobilenet_v2 1.33× / 1.13× and 1.33× /
+/// 1.07×, bert 1.32× / 1.21× and 1.46× / 1.28×, vit 1.13× / 1.02× and 1.17× / 1.01×,
+/// resnet18 level). So the CPU count no longer enters the rule.
 pub fn rule_selection(g: &Graph, mode: FfiMode) -> HashSet<NodeId> {
-    rule_selection_on(g, mode, process_cpus())
-}
-
-/// [`rule_selection`] for a process that may run on `cpus` CPUs.
-pub fn rule_selection_on(g: &Graph, mode: FfiMode, cpus: Option<usize>) -> HashSet<NodeId> {
-    let products = products(g);
-    if mode == FfiMode::Auto && cpus == Some(1) && computes_gradients(g) {
-        return products.filter(|&id| supported(g, id)).collect();
-    }
-    let mut set: HashSet<NodeId> = products.filter(|&id| picked(g, id, &mode)).collect();
+    let mut set: HashSet<NodeId> = products(g).filter(|&id| picked(g, id, &mode)).collect();
     if mode == FfiMode::Auto && serial_kernels(g, &set) {
         set.retain(|&id| match &g.node(id).op {
             Op::Conv(c) => c.feature_groups > 1 || c.batch_groups > 1,

@@ -151,10 +151,10 @@ pub fn idle_pause() -> IdlePause {
 
 /// How many CPUs this process may run on, as [`std::thread::available_parallelism`] first
 /// reported it in the process (its CPU affinity and cgroup quota); `None` if it cannot tell.
-/// Read once: the XLA backend's rule for [`FfiMode::Auto`](super::FfiMode::Auto) depends on
-/// it ([`rule_selection`](super::rule_selection)), and so does its cache key. kiln-bench's
-/// `--threads N` restricts the affinity before any backend exists; a program that restricts
-/// its own should do so before creating the XLA backend too.
+/// Read once: the XLA backend's CPU client gets at most this many devices, hence this many
+/// XLA worker threads (`XlaBackend::new`). kiln-bench's `--threads N` restricts the affinity
+/// before any backend exists; a program that restricts its own should do so before creating
+/// the XLA backend too.
 pub fn process_cpus() -> Option<usize> {
     static CPUS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     *CPUS.get_or_init(|| std::thread::available_parallelism().ok().map(|n| n.get()))
