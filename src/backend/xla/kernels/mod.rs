@@ -84,8 +84,8 @@ pub use packed::{packed_conv_enabled, PACKED_CONV_TARGET};
 pub use packed_linear::PACKED_LINEAR_TARGET;
 pub use threads::{
     handoff, idle_pause, local_max_flops, process_cpus, reset_stats, serialized, set_handoff,
-    set_idle_pause, set_local_max_flops, set_serialized, set_threads, stats, threads, torch_lock,
-    IdlePause, KernelGuard, KernelStats,
+    set_idle_pause, set_local_max_flops, set_serialized, set_spin_throttle, set_threads,
+    spin_throttle, stats, threads, torch_lock, IdlePause, KernelGuard, KernelStats,
 };
 pub use transpose::{
     dot_operand_transposes, DotOperandTransposes, OperandTranspose, MIN_TRANSPOSE_BYTES,

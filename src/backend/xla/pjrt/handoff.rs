@@ -203,8 +203,15 @@ impl Handoff {
         let mut queue = self.queue.lock();
         queue.serving += 1;
         let mut ran = false;
+        let mut throttle = None;
         loop {
             if let Some(job) = queue.jobs.pop_front() {
+                if throttle.is_none() && TRAINING_LAUNCHED.get() {
+                    // Between a training program's kernels XLA's fusions need the CPUs
+                    // (see `throttle`); taken at the first job, so programs whose kernels
+                    // all stay on XLA's workers do not pay for the idle team.
+                    throttle = Some(super::throttle::hold());
+                }
                 MutexGuard::unlocked(&mut queue, || execute(job));
                 ran = true;
                 continue;
@@ -232,6 +239,8 @@ impl Handoff {
             self.wake.wait(&mut queue);
         }
         queue.serving -= 1;
+        drop(queue);
+        drop(throttle);
     }
 
     /// Wakes the serving threads to re-check their `ready` condition.

@@ -58,6 +58,7 @@ pub(crate) mod ffi;
 mod ffi_sys;
 pub(crate) mod handoff;
 mod sys;
+pub(crate) mod throttle;
 
 #[cfg(test)]
 mod tests;
