@@ -368,6 +368,18 @@ impl StepBuilder {
     /// Makes `node` the new value of variable `var`. If `var` is an input of this step, its
     /// buffer is donated to the new value (updated in place on XLA).
     pub(crate) fn update(&mut self, node: NodeId, var: VarId) -> Result<()> {
+        self.assign(node, var, true)
+    }
+
+    /// Makes `node` the new value of variable `var` in a buffer of its own: `var`'s buffer is
+    /// not donated, and is freed once the variable holds the new one. For a value the step
+    /// reads in an order XLA cannot tell comes before the update, where it would copy the
+    /// donated input on entry instead.
+    pub(crate) fn update_in_new_buffer(&mut self, node: NodeId, var: VarId) -> Result<()> {
+        self.assign(node, var, false)
+    }
+
+    fn assign(&mut self, node: NodeId, var: VarId, donate: bool) -> Result<()> {
         if !self.updated.insert(var) {
             return Err(Error::Internal(format!(
                 "{}: variable {var} updated twice",
@@ -376,7 +388,7 @@ impl StepBuilder {
         }
         let out = self.outputs.len();
         self.outputs.push((node, Dest::Var(var)));
-        if let Some(i) = self.args.iter().position(|a| *a == Arg::Var(var)) {
+        if let Some(i) = self.args.iter().position(|a| donate && *a == Arg::Var(var)) {
             if !matches!(self.graph.node(node).op, Op::Input(_)) {
                 self.donations.push((i, out));
             }
