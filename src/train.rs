@@ -889,10 +889,9 @@ impl<B: Backend> TrainStep<B> {
     }
 
     /// Adds the optimizer update of every parameter (`params`, `grads`: its gradient's node)
-    /// to `s`, with the step count and learning
-    /// rate as resident inputs. With loss scaling, the gradients are unscaled first and the
-    /// update is skipped on inf/NaN (`scale_node`: the step's input holding the loss scale, if
-    /// it has one already).
+    /// to `s`, with the step count and learning rate as resident inputs. With loss scaling,
+    /// the gradients are unscaled first and the update is skipped on inf/NaN (`scale_node`:
+    /// the step's input holding the loss scale, if it has one already).
     fn add_updates(
         &mut self,
         s: &mut StepBuilder,
