@@ -766,9 +766,10 @@ impl<B: Backend> TrainStep<B> {
             let input = s.input_node(*i);
             let read = ordered_read(s.graph(), input, grad, t.ty().shape.numel())?;
             params.push(UpdatedParam {
+                input,
                 read,
                 tensor: t.clone(),
-                in_place: read != input,
+                read_elsewhere: true,
             });
         }
         self.add_updates(&mut s, &params, grads, scale_node)?;
@@ -877,9 +878,10 @@ impl<B: Backend> TrainStep<B> {
                 Arg::Temp(g),
             );
             params.push(UpdatedParam {
+                input: pn,
                 read: pn,
                 tensor: t.clone(),
-                in_place: true,
+                read_elsewhere: false,
             });
             grad_nodes.push(gn);
         }
@@ -944,7 +946,7 @@ impl<B: Backend> TrainStep<B> {
                 .update(s.graph(), *pn, gn, &state_nodes, lr, step)?;
             let new_p = keep(s, new_p, *pn)?;
             let var = self.rt.register(pt)?;
-            if p.in_place {
+            if p.in_place(s.graph(), new_p) {
                 s.update(new_p, var)?;
             } else {
                 s.update_in_new_buffer(new_p, var)?;
@@ -1178,22 +1180,65 @@ impl EagerTrainStep {
 
 /// A parameter as a step's optimizer update reads it.
 struct UpdatedParam {
-    /// The value the update reads: the parameter's input, or that behind an ordering
-    /// ([`ordered_read`]).
+    /// The parameter's input node.
+    input: NodeId,
+    /// The value the update reads: `input`, or `input` behind an ordering ([`ordered_read`]).
     read: NodeId,
     /// The parameter.
     tensor: Tensor,
-    /// Whether the update goes into the parameter's own (donated) buffer. Not where the
-    /// fused step reads the parameter unordered: XLA cannot tell that every other read
-    /// comes before the update, so it would copy the donated input on entry, on the step's
-    /// critical path (resnet50: 139 copies, 36 MB a step, all but its 22 ordered weights).
-    /// A new buffer for the update costs the same memory as that copy and no copying; the
-    /// old buffer is freed when the variable takes the new one. Fused steps, alternating
-    /// processes of 10 steps, median ms, new buffer / donated (2-vCPU Zen 2, two pairs
-    /// each): resnet50 161.1, 163.3 / 188.5, 175.8; resnext50_32x4d 185.3, 176.8 / 193.3,
-    /// 189.9; vit 54.5, 55.0 / 57.7, 56.0; mobilenet_v2 38.7, 38.8 / 39.9, 40.2; bert 56.0,
-    /// 62.3 / 57.1, 58.8 and resnet18 73.1, 77.5 / 76.9, 74.3 (level).
-    in_place: bool,
+    /// Whether the program reads the parameter for more than its update (the fused step's
+    /// forward and backward do; the split step's optimizer program does not).
+    read_elsewhere: bool,
+}
+
+impl UpdatedParam {
+    /// Does the update `update` go into the parameter's donated buffer? Always where only the
+    /// update reads it. Where the program reads it elsewhere too, only a parameter of at least
+    /// [`IN_PLACE_MIN_ELEMENTS`] whose every read comes first ([`reads_precede`]); the others
+    /// go into new buffers.
+    fn in_place(&self, g: &Graph, update: NodeId) -> bool {
+        !self.read_elsewhere
+            || (self.tensor.ty().shape.numel() >= IN_PLACE_MIN_ELEMENTS
+                && reads_precede(g, self.input, update))
+    }
+}
+
+/// Below this many elements the fused step updates a parameter into a new buffer: donating
+/// it saves under 256 KiB (f32), and XLA copies such values on entry even where every read
+/// comes first in kiln's graph, when its fusions duplicate a reader (a bias or a norm's scale
+/// read by both the loss's and the gradient's fusions; resnet50 kept 95 copies of its batch
+/// norms' parameters).
+const IN_PLACE_MIN_ELEMENTS: usize = 1 << 16;
+
+/// Does every read of `input` come before `update` (is every user of `input` `update` or
+/// one of its operands, transitively)? Then XLA can write `update` into `input`'s donated
+/// buffer. Otherwise it copies the donated input on entry, on the step's critical path (the
+/// fused step reads a weight for its input gradient, `dy · W`, which the weight's update does
+/// not depend on; resnet50 had 139 such copies, 36 MB a step, all but its 22 ordered
+/// weights), so the update goes into a new buffer instead: the same memory as the copy, no
+/// copying; the old buffer is freed when the variable takes the new one. Fused steps,
+/// alternating processes of 10 steps, median ms, new buffers / donated (2-vCPU Zen 2, two
+/// pairs each): resnet50 161.1, 163.3 / 188.5, 175.8; resnext50_32x4d 185.3, 176.8 / 193.3,
+/// 189.9; vit 54.5, 55.0 / 57.7, 56.0; mobilenet_v2 38.7, 38.8 / 39.9, 40.2; bert 56.0, 62.3 /
+/// 57.1, 58.8 and resnet18 73.1, 77.5 / 76.9, 74.3 (level). An embedding updated by a scatter
+/// (read by a gather that its gradient depends on) stays in place.
+fn reads_precede(g: &Graph, input: NodeId, update: NodeId) -> bool {
+    let mut readers: HashSet<NodeId> = g.users(input).into_iter().collect();
+    readers.remove(&update);
+    let mut seen = HashSet::from([update]);
+    let mut stack = vec![update];
+    while let Some(n) = stack.pop() {
+        if readers.is_empty() {
+            break;
+        }
+        for &o in &g.node(n).operands {
+            if seen.insert(o) {
+                readers.remove(&o);
+                stack.push(o);
+            }
+        }
+    }
+    readers.is_empty()
 }
 
 /// Parameters of at least this many elements are read by the fused step's update after
