@@ -1292,3 +1292,28 @@ fn products_reading(g: &Graph, p: NodeId) -> Option<Vec<NodeId>> {
     }
     Some(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_precede_the_update_only_when_the_update_depends_on_every_read() -> Result<()> {
+        let t = TensorType::new(DType::F32, vec![4]);
+        let mut g = Graph::new();
+        let p = g.add_input(InputKind::Parameter, "p", t.clone());
+        let x = g.add_input(InputKind::Data, "x", t);
+        // The forward reads p; the gradient depends on that read; the update reads p again.
+        let y = g.add(Op::Binary(BinaryOp::Mul), &[p, x])?;
+        let grad = g.add(Op::Binary(BinaryOp::Mul), &[y, x])?;
+        let update = g.add(Op::Binary(BinaryOp::Sub), &[p, grad])?;
+        assert!(reads_precede(&g, p, update));
+        // A read the update does not depend on (an input gradient `dy · W`).
+        let dx = g.add(Op::Binary(BinaryOp::Mul), &[p, grad])?;
+        assert!(!reads_precede(&g, p, update));
+        // Once the update depends on it, it comes first again.
+        let ordered = g.add(Op::Binary(BinaryOp::Add), &[update, dx])?;
+        assert!(reads_precede(&g, p, ordered));
+        Ok(())
+    }
+}
