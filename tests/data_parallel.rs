@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{batch, mse, rel_err_l2, sgd_step, store_values, Net, Values};
+use common::{batch, donated_per_step, mse, rel_err_l2, sgd_step, store_values, Net, Values};
 
 use kiln::autograd::SavePolicy;
 use kiln::backend::eager::EagerBackend;
@@ -239,17 +239,10 @@ fn only_the_batch_shards_move_and_state_is_donated_on_every_device() -> kiln::Re
         assert_eq!((d.traces, d.compiles), (0, 0));
         assert_eq!(step.runtime().num_resident(), resident);
         // Donated per step on every device (a buffer donated on some replicas only is an
-        // error): every momentum buffer, the step count, the running mean, and in the split
-        // step every parameter. The fused step updates these small parameters into new
-        // buffers (see `UpdatedParam` in train.rs).
-        let in_new_buffers = if mode == TrainMode::Fused {
-            n_params
-        } else {
-            0
-        };
+        // error).
         assert_eq!(
             d.donated,
-            10 * (2 * n_params + 2 - in_new_buffers),
+            10 * donated_per_step(mode, n_params),
             "{mode:?}: {d}"
         );
     }

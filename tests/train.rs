@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{batch, mse, rel_err_l2, sgd_step, store_values, Net};
+use common::{batch, donated_per_step, mse, rel_err_l2, sgd_step, store_values, Net};
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::backend::Backend;
@@ -91,18 +91,9 @@ fn executables_transfers_and_donation_per_step() -> kiln::Result<()> {
         assert_eq!(d.d2h_bytes, 10 * 4, "{mode:?}: {d}");
         assert_eq!(d.syncs, 10, "{mode:?}");
         assert_eq!((d.traces, d.compiles), (0, 0));
-        // Donated per step, as PJRT reports the inputs deleted: every momentum buffer, the
-        // step count, the running-mean buffer, and in the split step every parameter. The
-        // fused step updates these small parameters into new buffers (XLA would copy them
-        // on entry; see `UpdatedParam` in train.rs).
-        let in_new_buffers = if mode == TrainMode::Fused {
-            n_params
-        } else {
-            0
-        };
         assert_eq!(
             d.donated,
-            10 * (2 * n_params + 2 - in_new_buffers),
+            10 * donated_per_step(mode, n_params),
             "{mode:?}: {d}"
         );
         // And XLA copies no input of the fused step on entry.

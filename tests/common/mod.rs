@@ -441,6 +441,17 @@ pub fn mse(net: &Net, xs: &[Tensor]) -> kiln::Result<Tensor> {
         .mean_all()
 }
 
+/// Buffers a step of [`sgd_step`] on [`Net`] (`n_params` parameters) donates, as PJRT reports
+/// the inputs deleted: every momentum buffer, the step count, the running mean, and in the
+/// split step every parameter. The fused step updates these small parameters into new buffers
+/// (XLA would copy them on entry; see `UpdatedParam` in train.rs).
+pub fn donated_per_step(mode: TrainMode, n_params: u64) -> u64 {
+    match mode {
+        TrainMode::Split => 2 * n_params + 2,
+        TrainMode::Fused => n_params + 2,
+    }
+}
+
 /// A training step of `net` (whose variables `store` holds) on `backend`: [`mse`], SGD with
 /// momentum 0.9, learning rate `lr`, in `mode`.
 pub fn sgd_step<B: Backend>(
