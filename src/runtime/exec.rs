@@ -388,7 +388,10 @@ impl StepBuilder {
         }
         let out = self.outputs.len();
         self.outputs.push((node, Dest::Var(var)));
-        if let Some(i) = self.args.iter().position(|a| donate && *a == Arg::Var(var)) {
+        if !donate {
+            return Ok(());
+        }
+        if let Some(i) = self.args.iter().position(|a| *a == Arg::Var(var)) {
             if !matches!(self.graph.node(node).op, Op::Input(_)) {
                 self.donations.push((i, out));
             }

@@ -92,7 +92,9 @@ pub fn set_handoff(on: bool) {
 /// a training program hands over until its results are ready, a kiln-owned thread holds an
 /// idle OpenMP team of two, so libgomp counts one thread more than the CPUs; at the end the
 /// team is ended before the wait returns, and the process's own libtorch code spins in full
-/// again. Inference programs, whose kernels follow each other closely, are left alone.
+/// again. Inference programs, whose kernels follow each other closely, are left alone, and
+/// so is a serving thread whose kernels run on one OpenMP thread (`--threads 1`: no team to
+/// throttle, and on one CPU the release would wait for the throttle thread).
 ///
 /// Measured on a 2-vCPU Zen 2, harness `--training --all --mode once`, two alternating runs
 /// each, geomean over eager (eager timed alone before any compiled run, 2 threads each
