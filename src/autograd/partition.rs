@@ -209,17 +209,6 @@ impl Recompute<'_> {
     }
 }
 
-fn ancestors(g: &Graph, roots: &[NodeId]) -> HashSet<NodeId> {
-    let mut seen = HashSet::new();
-    let mut stack: Vec<NodeId> = roots.to_vec();
-    while let Some(n) = stack.pop() {
-        if seen.insert(n) {
-            stack.extend(g.node(n).operands.iter().copied());
-        }
-    }
-    seen
-}
-
 /// Splits `joint` into a forward and a backward graph.
 ///
 /// `joint`'s first `num_inputs` inputs are forward inputs and the rest are cotangents; its first
@@ -280,7 +269,7 @@ pub fn partition(
     let fwd_outputs: HashSet<NodeId> = outputs[..num_outputs].iter().copied().collect();
 
     // The forward graph: everything the forward outputs need.
-    let fwd = ancestors(joint, &outputs[..num_outputs]);
+    let fwd = joint.ancestors(&outputs[..num_outputs]);
     if let Some(bad) = fwd.iter().find(|n| tangent.contains(n)) {
         return Err(Error::Invalid(format!(
             "partition: a forward output depends on a cotangent input (node {} {})",

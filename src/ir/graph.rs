@@ -321,6 +321,18 @@ impl Graph {
         u
     }
 
+    /// `roots` and every node they depend on, transitively (their operands, theirs, ...).
+    pub fn ancestors(&self, roots: &[NodeId]) -> std::collections::HashSet<NodeId> {
+        let mut seen = std::collections::HashSet::new();
+        let mut stack: Vec<NodeId> = roots.to_vec();
+        while let Some(n) = stack.pop() {
+            if seen.insert(n) {
+                stack.extend(self.node(n).operands.iter().copied());
+            }
+        }
+        seen
+    }
+
     /// All node ids in a deterministic topological order (operands before users; ties broken
     /// by insertion order).
     pub fn topo_order(&self) -> Vec<NodeId> {
