@@ -482,22 +482,28 @@ fn idle_pause_from_env() {
     });
 }
 
-/// Ends this thread's OpenMP team (libgomp's `omp_pause_resource_all(omp_pause_soft)`),
-/// so that its threads stop spinning; nothing if libgomp is not in the process.
-fn pause_openmp() {
-    type Pause = unsafe extern "C" fn(c_int) -> c_int;
-    static PAUSE: OnceLock<Option<Pause>> = OnceLock::new();
-    let pause = PAUSE.get_or_init(|| {
+/// libgomp's `int omp_pause_resource_all(omp_pause_resource_t kind)`.
+pub(crate) type PauseAll = unsafe extern "C" fn(c_int) -> c_int;
+
+/// [`PauseAll`], if libgomp is in the process (looked up once).
+pub(crate) fn omp_pause_resource_all() -> Option<PauseAll> {
+    static PAUSE: OnceLock<Option<PauseAll>> = OnceLock::new();
+    *PAUSE.get_or_init(|| {
         let this = libloading::os::unix::Library::this();
-        // SAFETY: the symbol, if present, is libgomp's
-        // `int omp_pause_resource_all(omp_pause_resource_t kind)`.
+        // SAFETY: the symbol, if present, is libgomp's `omp_pause_resource_all`, of type
+        // `PauseAll`; the library is linked into the process and never unloaded.
         unsafe {
-            this.get::<Pause>(b"omp_pause_resource_all\0")
+            this.get::<PauseAll>(b"omp_pause_resource_all\0")
                 .ok()
                 .map(|s| *s)
         }
-    });
-    if let Some(pause) = pause {
+    })
+}
+
+/// Ends this thread's OpenMP team (libgomp's `omp_pause_resource_all(omp_pause_soft)`),
+/// so that its threads stop spinning; nothing if libgomp is not in the process.
+fn pause_openmp() {
+    if let Some(pause) = omp_pause_resource_all() {
         // SAFETY: `omp_pause_soft` is 1; the call is made outside any parallel region (a
         // serving thread between jobs), where it only releases this thread's thread pool.
         unsafe { pause(1) };

@@ -11,8 +11,9 @@
 //! execution's wait ends, the team is released (synchronously: the process's own libtorch
 //! code after kiln's call gets libgomp's full spin back, as if kiln were not linked).
 
+use super::handoff::{omp_pause_resource_all, PauseAll};
 use parking_lot::{Condvar, Mutex};
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_uint, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
@@ -20,23 +21,22 @@ use std::sync::OnceLock;
 struct Gomp {
     /// `void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags)`
     parallel: unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint),
-    /// `int omp_pause_resource_all(omp_pause_resource_t kind)`
-    pause_all: unsafe extern "C" fn(c_int) -> c_int,
+    /// `omp_pause_resource_all`, which ends the team.
+    pause_all: PauseAll,
 }
 
 fn gomp() -> Option<&'static Gomp> {
     static GOMP: OnceLock<Option<Gomp>> = OnceLock::new();
     GOMP.get_or_init(|| {
         let this = libloading::os::unix::Library::this();
-        // SAFETY: the symbols, if present, are libgomp's with the signatures of `Gomp`'s
-        // fields (GOMP_parallel is its ABI entry for `#pragma omp parallel` since GCC 4.9);
-        // the library is linked into the process and never unloaded.
-        unsafe {
-            Some(Gomp {
-                parallel: *this.get(b"GOMP_parallel\0").ok()?,
-                pause_all: *this.get(b"omp_pause_resource_all\0").ok()?,
-            })
-        }
+        // SAFETY: the symbol, if present, is libgomp's with the signature of `Gomp::parallel`
+        // (its ABI entry for `#pragma omp parallel` since GCC 4.9); the library is linked
+        // into the process and never unloaded.
+        let parallel = unsafe { *this.get(b"GOMP_parallel\0").ok()? };
+        Some(Gomp {
+            parallel,
+            pause_all: omp_pause_resource_all()?,
+        })
     })
     .as_ref()
 }
