@@ -7,7 +7,7 @@ use crate::ir::{Fingerprint, Graph, InputKind, TensorType};
 use crate::passes::{dedup_outputs, simplify, OutputSource};
 use crate::runtime::exec::{Arg, Dest, Plan, Step, Values};
 use crate::runtime::{DeviceOutputs, DeviceResult, Runtime, Stats};
-use crate::trace::{trace_into, var_input, Binding, LatestTraces, Tensor, Traced};
+use crate::trace::{trace, var_input, Binding, LatestTraces, Retrace, Tensor, Traced};
 use parking_lot::{Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -258,7 +258,7 @@ struct FnState<B: Backend> {
     rt: Runtime<B>,
     mode: TraceMode,
     tracer: Mutex<Tracer<B>>,
-    plans: RwLock<HashMap<Vec<TensorType>, Arc<FnPlan<B>>>>,
+    plans: RwLock<foldhash::HashMap<Vec<TensorType>, Arc<FnPlan<B>>>>,
     seed: u32,
     draws: AtomicU32,
 }
@@ -304,7 +304,7 @@ where
                 seen: HashMap::new(),
                 latest: LatestTraces::new(),
             }),
-            plans: RwLock::new(HashMap::new()),
+            plans: RwLock::new(Default::default()),
             seed: 0,
             draws: AtomicU32::new(0),
         },
@@ -492,18 +492,20 @@ impl<B: Backend> FnState<B> {
         }
         let tracer = &mut *tracer; // borrow its fields apart
         let t0 = Instant::now();
-        let storage = tracer.latest.storage();
-        let traced = trace_into(signature, storage, |xs| (tracer.f)(xs))?;
         let every = self.mode == TraceMode::EveryCall;
-        if every {
-            // The common case: the same program as this signature's latest trace.
-            if let Some(plan) = tracer.latest.get(signature, &traced) {
-                tracer.latest.recycle(traced);
-                self.rt.metrics().traced(t0.elapsed());
-                self.rt.metrics().cache_hit();
-                return Ok(plan);
+        let traced = if every {
+            match tracer.latest.trace(signature, |xs| (tracer.f)(xs))? {
+                // The common case: the same program as this signature's latest trace.
+                Retrace::Repeat(plan) => {
+                    self.rt.metrics().traced(t0.elapsed());
+                    self.rt.metrics().cache_hit();
+                    return Ok(plan);
+                }
+                Retrace::New(traced) => traced,
             }
-        }
+        } else {
+            trace(signature, |xs| (tracer.f)(xs))?
+        };
         let key = if every { TraceKey::of(&traced) } else { None };
         if let Some((program, plan)) = key.as_ref().and_then(|k| tracer.seen.get(k)) {
             let plan = plan.clone();

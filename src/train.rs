@@ -34,7 +34,7 @@ use crate::optim::Optimizer;
 use crate::passes::autocast_graph;
 use crate::runtime::exec::{Arg, Dest, Plan, PlanBuilder, StepBuilder, VarId};
 use crate::runtime::{ExecutableCache, Runtime, Stats};
-use crate::trace::{trace_into, Binding, LatestTraces, Tensor, Traced};
+use crate::trace::{trace, Binding, LatestTraces, Retrace, Tensor, Traced};
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
@@ -166,7 +166,7 @@ pub struct TrainStep<B: Backend> {
     lr: f64,
     lr_uploaded: Option<f64>,
     programs: Vec<TrainProgram<B>>,
-    by_signature: HashMap<Vec<TensorType>, usize>,
+    by_signature: foldhash::HashMap<Vec<TensorType>, usize>,
     by_fingerprint: HashMap<Fingerprint, usize>,
     /// Trace every time: each signature's latest trace and its program, checked before the
     /// fingerprint.
@@ -218,7 +218,7 @@ impl<B: Backend> TrainStep<B> {
             lr: 1e-3,
             lr_uploaded: None,
             programs: Vec::new(),
-            by_signature: HashMap::new(),
+            by_signature: Default::default(),
             by_fingerprint: HashMap::new(),
             latest: LatestTraces::new(),
             last: None,
@@ -525,17 +525,21 @@ impl<B: Backend> TrainStep<B> {
             }
         }
         let t0 = Instant::now();
-        let storage = self.latest.storage();
-        let traced = trace_into(signature, storage, |xs| Ok(vec![(self.loss_fn)(xs)?]))?;
         let every = self.trace_mode == TraceMode::EveryCall;
-        if every {
-            // The common case: the same program as this signature's latest trace.
-            if let Some(p) = self.latest.get(signature, &traced) {
-                self.latest.recycle(traced);
-                self.rt.metrics().traced(t0.elapsed());
-                return Ok(p);
+        let loss_fn = &self.loss_fn;
+        let loss = |xs: &[Tensor]| Ok(vec![loss_fn(xs)?]);
+        let traced = if every {
+            match self.latest.trace(signature, loss)? {
+                // The common case: the same program as this signature's latest trace.
+                Retrace::Repeat(p) => {
+                    self.rt.metrics().traced(t0.elapsed());
+                    return Ok(p);
+                }
+                Retrace::New(traced) => traced,
             }
-        }
+        } else {
+            trace(signature, loss)?
+        };
         let loss_ty = traced.graph.node(traced.graph.outputs()[0]).ty.clone();
         if loss_ty.shape.rank() != 0 || !loss_ty.dtype.is_float() {
             return Err(Error::Invalid(format!(

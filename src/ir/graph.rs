@@ -103,15 +103,6 @@ impl Graph {
         }
     }
 
-    /// Removes every node, input and output, keeping the storage for a graph of the same
-    /// size.
-    pub(crate) fn clear(&mut self) {
-        self.g.clear();
-        self.inputs.clear();
-        self.outputs.clear();
-        self.aliases.clear();
-    }
-
     /// How many nodes, edges and inputs the graph has room for without allocating.
     pub(crate) fn capacity(&self) -> GraphSize {
         let (nodes, edges) = self.g.capacity();
@@ -652,19 +643,6 @@ mod tests {
         swapped.set_outputs(vec![y]).unwrap();
         assert!(!swapped.same_structure(&b));
         assert!(b.same_structure(&b.clone()));
-    }
-
-    /// A cleared graph is empty, keeps its storage, and builds the same graph again.
-    #[test]
-    fn a_cleared_graph_keeps_its_storage() {
-        let (mut g, _, _) = wide_concat();
-        let size = g.size();
-        g.clear();
-        assert!(g.is_empty() && g.inputs().is_empty() && g.outputs().is_empty());
-        let room = g.capacity();
-        assert!(room.nodes >= size.nodes && room.edges >= size.edges && room.inputs >= size.inputs);
-        let (again, _, _) = wide_concat_into(g);
-        assert!(again.same_structure(&wide_concat().0));
     }
 
     /// A transposed input keeps the graph well typed: users and outputs read a transpose of

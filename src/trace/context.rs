@@ -8,6 +8,7 @@ use super::{Repr, Tensor, VarKind};
 use crate::backend::HostTensor;
 use crate::error::{Error, Result};
 use crate::ir::{Graph, GraphSize, InputKind, Literal, NodeId, Op, TensorType};
+use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,10 +35,13 @@ pub(crate) fn var_input(bindings: &[Binding], var: &Tensor) -> Option<usize> {
 
 pub(crate) struct TraceCtx {
     pub(crate) id: u64,
-    pub(crate) graph: Graph,
-    pub(crate) bindings: Vec<Binding>,
+    /// The nodes recorded so far; empty while the trace follows `expect`.
+    graph: Graph,
+    /// The earlier trace this one is checked against, and how far it has followed it.
+    expect: Option<Expect>,
+    bindings: Vec<Binding>,
     /// The node holding each variable's current value: its input, or what it was assigned.
-    pub(crate) lifted: HashMap<u64, NodeId>,
+    pub(crate) lifted: foldhash::HashMap<u64, NodeId>,
     /// Variables assigned during the trace (last assignment wins), in first-assignment order.
     pub(crate) assigns: Vec<(Tensor, NodeId)>,
     pub(crate) rng_key: Option<NodeId>,
@@ -55,6 +59,26 @@ pub fn is_tracing() -> bool {
     STACK.with(|s| !s.borrow().is_empty())
 }
 
+/// Records `op` on `operands` in the innermost active trace (one look at the thread's
+/// stack: `apply` runs for every op); gives `op` back when no trace is active.
+pub(crate) fn record(op: Op, operands: &[&Tensor]) -> std::result::Result<Result<Tensor>, Op> {
+    STACK.with(|s| {
+        let mut s = s.borrow_mut();
+        let Some(ctx) = s.last_mut() else {
+            return Err(op);
+        };
+        let add = || {
+            let mut ids = smallvec::SmallVec::<[NodeId; 3]>::new();
+            for t in operands {
+                ids.push(ctx.node_of(t)?);
+            }
+            let node = ctx.add(op, &ids)?;
+            Ok(ctx.tensor(node))
+        };
+        Ok(add())
+    })
+}
+
 /// Runs `f` on the innermost active trace.
 pub(crate) fn with_ctx<R>(f: impl FnOnce(&mut TraceCtx) -> Result<R>) -> Result<R> {
     STACK.with(|s| {
@@ -66,7 +90,187 @@ pub(crate) fn with_ctx<R>(f: impl FnOnce(&mut TraceCtx) -> Result<R>) -> Result<
     })
 }
 
+/// A graph input being declared, and what it is bound to (a borrowed [`Binding`]: checking a
+/// repeated trace's inputs clones no tensor).
+enum NewInput<'a> {
+    Data(usize),
+    Var(&'a Tensor),
+    RngKey,
+}
+
+impl NewInput<'_> {
+    fn is(&self, b: &Binding) -> bool {
+        match (self, b) {
+            (NewInput::Data(i), Binding::Data(j)) => i == j,
+            (NewInput::Var(x), Binding::Var(y)) => same_var(x, y),
+            (NewInput::RngKey, Binding::RngKey) => true,
+            _ => false,
+        }
+    }
+
+    fn binding(&self) -> Binding {
+        match self {
+            NewInput::Data(i) => Binding::Data(*i),
+            NewInput::Var(t) => Binding::Var((*t).clone()),
+            NewInput::RngKey => Binding::RngKey,
+        }
+    }
+}
+
+fn same_var(a: &Tensor, b: &Tensor) -> bool {
+    matches!((a.variable(), b.variable()), (Some(x), Some(y)) if x.id == y.id)
+}
+
+/// Trace every time: a trace checked, op by op, against the latest trace of its signature.
+///
+/// While each recorded input and op is the one the earlier trace recorded at that position
+/// (same op, same operand ids, same binding), the new trace records nothing: it hands out the
+/// earlier trace's node ids and counts. A trace that ends so has recorded the same program
+/// ([`Traced::same_program`]) without building a graph, inferring a type or comparing two
+/// graphs afterwards. At the first difference the matched prefix is copied into the graph
+/// (same ids) and the trace goes on recording.
+struct Expect {
+    traced: Traced,
+    /// Still following: every input and op so far matched.
+    following: bool,
+    /// Nodes matched (ids `0..nodes`: a trace's ids are dense, in insertion order).
+    nodes: usize,
+    /// Inputs (and bindings) matched.
+    inputs: usize,
+}
+
+impl Expect {
+    fn next_input(&mut self, kind: &InputKind, ty: &TensorType, new: &NewInput) -> Option<NodeId> {
+        let id = NodeId::new(self.nodes);
+        let g = &self.traced.graph;
+        let matches = matches!(g.get(id)?.op, Op::Input(k) if k == self.inputs)
+            && g.inputs()
+                .get(self.inputs)
+                .is_some_and(|i| i.kind == *kind && i.ty == *ty)
+            && new.is(self.traced.bindings.get(self.inputs)?);
+        matches.then(|| {
+            self.nodes += 1;
+            self.inputs += 1;
+            id
+        })
+    }
+
+    fn next_node(&mut self, op: &Op, operands: &[NodeId]) -> Option<NodeId> {
+        let id = NodeId::new(self.nodes);
+        let node = self.traced.graph.get(id)?;
+        // Same op on the same operands (hence of the same types): the same, well-typed node.
+        let matches = !matches!(node.op, Op::Input(_))
+            && node.operands[..] == *operands
+            && node.op.same_as(op);
+        matches.then(|| {
+            self.nodes += 1;
+            id
+        })
+    }
+
+    /// Has the trace ended as the earlier one did: every node and input matched, the same
+    /// outputs, and the same variables assigned from the same nodes?
+    fn is_complete(&self, outputs: &[NodeId], assigns: &[(Tensor, NodeId)]) -> bool {
+        let t = &self.traced;
+        let n = t.num_outputs;
+        self.following
+            && self.nodes == t.graph.len()
+            && self.inputs == t.graph.inputs().len()
+            && outputs.len() == n
+            && assigns.len() == t.state_updates.len()
+            && t.graph.outputs().len() == n + assigns.len()
+            && t.graph.outputs()[..n] == *outputs
+            && assigns
+                .iter()
+                .zip(&t.state_updates)
+                .zip(&t.graph.outputs()[n..])
+                .all(|(((var, node), (earlier, _)), out)| node == out && same_var(var, earlier))
+    }
+}
+
 impl TraceCtx {
+    /// A context tracing into `graph` (empty), checked against `expect` if given.
+    fn new(graph: Graph, expect: Option<Traced>) -> Self {
+        let num_inputs = match &expect {
+            Some(t) => t.graph.inputs().len(),
+            None => graph.capacity().inputs,
+        };
+        let expect = expect.map(|traced| Expect {
+            // Only a trace with dense node ids can be followed by id (a trace's always are).
+            following: petgraph::visit::NodeIndexable::node_bound(traced.graph.petgraph())
+                == traced.graph.len(),
+            traced,
+            nodes: 0,
+            inputs: 0,
+        });
+        let repeat = expect.as_ref().is_some_and(|e| e.following);
+        TraceCtx {
+            id: NEXT_TRACE.fetch_add(1, Ordering::Relaxed),
+            graph,
+            expect,
+            // A repeat records no binding; a trace that diverges allocates then.
+            bindings: Vec::with_capacity(if repeat { 0 } else { num_inputs }),
+            lifted: HashMap::with_capacity_and_hasher(num_inputs, Default::default()),
+            assigns: Vec::new(),
+            rng_key: None,
+            rng_draws: 0,
+        }
+    }
+
+    /// Stops following the earlier trace: records the prefix matched so far (same ids).
+    fn diverge(&mut self) {
+        let Some(e) = self.expect.as_mut().filter(|e| e.following) else {
+            return;
+        };
+        e.following = false;
+        let g = &e.traced.graph;
+        for i in 0..e.nodes {
+            let node = g.node(NodeId::new(i));
+            match node.op {
+                Op::Input(k) => {
+                    let input = &g.inputs()[k];
+                    self.graph
+                        .add_input(input.kind.clone(), input.name.clone(), input.ty.clone());
+                }
+                _ => {
+                    self.graph
+                        .add_typed(node.op.clone(), node.ty.clone(), &node.operands);
+                }
+            }
+        }
+        self.bindings
+            .extend(e.traced.bindings[..e.inputs].iter().cloned());
+    }
+
+    /// Declares a graph input bound to `new` (its name made only if it is recorded).
+    fn add_input(
+        &mut self,
+        kind: InputKind,
+        name: impl FnOnce() -> String,
+        ty: &TensorType,
+        new: NewInput,
+    ) -> NodeId {
+        if let Some(e) = self.expect.as_mut().filter(|e| e.following) {
+            if let Some(id) = e.next_input(&kind, ty, &new) {
+                return id;
+            }
+            self.diverge();
+        }
+        self.bindings.push(new.binding());
+        self.graph.add_input(kind, name(), ty.clone())
+    }
+
+    /// Records `op` applied to `operands` ([`Graph::add`]: type inference and its errors).
+    pub(crate) fn add(&mut self, op: Op, operands: &[NodeId]) -> Result<NodeId> {
+        if let Some(e) = self.expect.as_mut().filter(|e| e.following) {
+            if let Some(id) = e.next_node(&op, operands) {
+                return Ok(id);
+            }
+            self.diverge();
+        }
+        self.graph.add(op, operands)
+    }
+
     /// The node holding `t`'s value in this trace: traced tensors must belong to it; eager
     /// variables are lifted to inputs (once each); other eager tensors become constants.
     pub(crate) fn node_of(&mut self, t: &Tensor) -> Result<NodeId> {
@@ -88,22 +292,25 @@ impl TraceCtx {
                     VarKind::Parameter => InputKind::Parameter,
                     VarKind::Buffer => InputKind::Buffer,
                 };
-                let n = self.graph.add_input(kind, v.name.clone(), t.ty.clone());
-                self.bindings.push(Binding::Var(t.clone()));
+                let n = self.add_input(kind, || v.name.clone(), &t.ty, NewInput::Var(t));
                 self.lifted.insert(v.id, n);
                 Ok(n)
             }
             Repr::Eager { t: et, var: None } => {
                 let host = HostTensor::from_tch(&et.detach(), t.ty.dtype)?;
                 let lit = Literal::from_bytes(host.ty().clone(), host.into_bytes())?;
-                self.graph.add(Op::Constant(lit), &[])
+                self.add(Op::Constant(lit), &[])
             }
         }
     }
 
     pub(crate) fn tensor(&self, node: NodeId) -> Tensor {
+        let graph = match &self.expect {
+            Some(e) if e.following => &e.traced.graph,
+            _ => &self.graph,
+        };
         Tensor {
-            ty: self.graph.node(node).ty.clone(),
+            ty: graph.node(node).ty.clone(),
             repr: Repr::Traced {
                 trace: self.id,
                 node,
@@ -116,12 +323,12 @@ impl TraceCtx {
         if let Some(k) = self.rng_key {
             return k;
         }
-        let k = self.graph.add_input(
+        let k = self.add_input(
             InputKind::RngKey,
-            "rng_key",
-            TensorType::new(crate::ir::DType::U32, [2]),
+            || "rng_key".into(),
+            &TensorType::new(crate::ir::DType::U32, [2]),
+            NewInput::RngKey,
         );
-        self.bindings.push(Binding::RngKey);
         self.rng_key = Some(k);
         k
     }
@@ -149,9 +356,6 @@ impl Traced {
     /// many outputs and assigning the same variables? Then whatever was prepared for one
     /// serves the other.
     pub fn same_program(&self, other: &Traced) -> bool {
-        fn same_var(a: &Tensor, b: &Tensor) -> bool {
-            matches!((a.variable(), b.variable()), (Some(x), Some(y)) if x.id == y.id)
-        }
         self.num_outputs == other.num_outputs
             && self.bindings.len() == other.bindings.len()
             && self.state_updates.len() == other.state_updates.len()
@@ -176,47 +380,67 @@ impl Traced {
 
 /// Trace every time: the latest trace of each input signature and what was prepared for it
 /// (a plan, a program's index). A function usually traces the same program call after call;
-/// recognising it by [`Traced::same_program`] costs one pass over the graph, where a
-/// fingerprint sorts, serialises and hashes it. The graph of a trace so recognised can be
-/// emptied and kept as the storage of the next one ([`LatestTraces::recycle`]), which then allocates no node or edge
-/// storage (allocating it took a quarter of the LinearModel's trace).
+/// [`LatestTraces::trace`] checks each new trace against the signature's latest one as it is
+/// recorded ([`Expect`]), so a repeat builds no graph at all, where a fingerprint sorts,
+/// serialises and hashes one. A trace that differs is recorded into storage with room for the
+/// latest trace's size (growing it step by step took a quarter of the LinearModel's trace).
 pub(crate) struct LatestTraces<T> {
-    by_signature: HashMap<Vec<TensorType>, (Traced, T)>,
+    by_signature: foldhash::HashMap<Vec<TensorType>, (Traced, T)>,
     spare: Option<Graph>,
     /// The size of the latest trace, which a trace without spare storage starts with room for.
     last_size: GraphSize,
 }
 
+/// What [`LatestTraces::trace`] found.
+pub(crate) enum Retrace<T> {
+    /// The same program as the signature's latest trace, prepared as `T`.
+    Repeat(T),
+    /// Another program (or the signature's first).
+    New(Traced),
+}
+
 impl<T: Clone> LatestTraces<T> {
     pub(crate) fn new() -> Self {
         LatestTraces {
-            by_signature: HashMap::new(),
+            by_signature: Default::default(),
             spare: None,
             last_size: GraphSize::default(),
         }
     }
 
-    /// An empty graph to trace into: a recognised trace's storage, or one with room for the
-    /// latest trace's size.
-    pub(crate) fn storage(&mut self) -> Graph {
-        self.spare
+    /// Traces `f` on inputs of `signature`, checked against the signature's latest trace.
+    pub(crate) fn trace<F>(&mut self, signature: &[TensorType], f: F) -> Result<Retrace<T>>
+    where
+        F: FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
+    {
+        let storage = self
+            .spare
             .take()
-            .unwrap_or_else(|| Graph::with_capacity(self.last_size))
-    }
-
-    /// What was prepared for `signature`'s latest trace, if `traced` is the same program.
-    pub(crate) fn get(&mut self, signature: &[TensorType], traced: &Traced) -> Option<T> {
-        self.last_size = traced.graph.size();
-        let (latest, value) = self.by_signature.get(signature)?;
-        latest.same_program(traced).then(|| value.clone())
-    }
-
-    /// Keeps the storage of `traced` (a repeat, which [`LatestTraces::get`] recognised) for
-    /// the next trace.
-    pub(crate) fn recycle(&mut self, traced: Traced) {
-        let mut graph = traced.graph;
-        graph.clear();
-        self.spare = Some(graph);
+            .unwrap_or_else(|| Graph::with_capacity(self.last_size));
+        // The latest trace moves into the trace context (tensors are not `Sync`, so it cannot
+        // be shared) and back into the map with its key: no allocation. If `f` panics the
+        // entry is gone, and the next trace is prepared as a new one.
+        let (key, expect, value) = match self.by_signature.remove_entry(signature) {
+            Some((key, (traced, value))) => (Some(key), Some(traced), Some(value)),
+            None => (None, None, None),
+        };
+        let (checked, expect) = trace_checked(signature, storage, expect, f);
+        if let (Some(key), Some(traced), Some(value)) = (key, expect, value.clone()) {
+            self.by_signature.insert(key, (traced, value));
+        }
+        match checked? {
+            Checked::Repeat(storage) => {
+                self.spare = Some(storage);
+                // Only a trace checked against an earlier one repeats it.
+                value.map(Retrace::Repeat).ok_or_else(|| {
+                    Error::Internal("a repeated trace without an earlier one".into())
+                })
+            }
+            Checked::New(traced) => {
+                self.last_size = traced.graph.size();
+                Ok(Retrace::New(traced))
+            }
+        }
     }
 
     /// Records `traced` as `signature`'s latest trace, prepared as `value`.
@@ -245,40 +469,41 @@ pub fn trace<F>(inputs: &[TensorType], f: F) -> Result<Traced>
 where
     F: FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
 {
-    trace_into(inputs, Graph::new(), f)
+    match trace_checked(inputs, Graph::new(), None, f).0? {
+        Checked::New(traced) => Ok(traced),
+        Checked::Repeat(_) => Err(Error::Internal(
+            "a trace without an earlier one repeated it".into(),
+        )),
+    }
 }
 
-/// [`trace`] into `graph`, an empty graph with room for what the trace is likely to reach (the
-/// size of an earlier trace of the same function, or its storage: see
-/// [`LatestTraces::storage`]).
-pub(crate) fn trace_into<F>(inputs: &[TensorType], graph: Graph, f: F) -> Result<Traced>
+enum Checked {
+    /// The trace repeated the expected one; the storage it did not use.
+    Repeat(Graph),
+    New(Traced),
+}
+
+/// [`trace`] into `graph` (empty), checked against `expect` as it goes (see [`Expect`]); gives `expect` back
+/// (unless `f` panics).
+fn trace_checked<F>(
+    inputs: &[TensorType],
+    graph: Graph,
+    expect: Option<Traced>,
+    f: F,
+) -> (Result<Checked>, Option<Traced>)
 where
     F: FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
 {
     if !graph.is_empty() || !graph.inputs().is_empty() {
-        return Err(Error::Internal(
-            "a trace must start from an empty graph".into(),
-        ));
+        let e = Error::Internal("a trace must start from an empty graph".into());
+        return (Err(e), expect);
     }
-    let id = NEXT_TRACE.fetch_add(1, Ordering::Relaxed);
-    let num_inputs = graph.capacity().inputs;
-    let mut ctx = TraceCtx {
-        id,
-        graph,
-        bindings: Vec::with_capacity(num_inputs),
-        lifted: HashMap::with_capacity(num_inputs),
-        assigns: Vec::new(),
-        rng_key: None,
-        rng_draws: 0,
-    };
-    let args: Vec<Tensor> = inputs
+    let mut ctx = TraceCtx::new(graph, expect);
+    let args: SmallVec<[Tensor; 4]> = inputs
         .iter()
         .enumerate()
         .map(|(i, ty)| {
-            let n = ctx
-                .graph
-                .add_input(InputKind::Data, format!("x{i}"), ty.clone());
-            ctx.bindings.push(Binding::Data(i));
+            let n = ctx.add_input(InputKind::Data, || format!("x{i}"), ty, NewInput::Data(i));
             ctx.tensor(n)
         })
         .collect();
@@ -295,18 +520,39 @@ where
     let pop = Pop;
     let result = f(&args).and_then(|outs| {
         with_ctx(|ctx| {
-            let mut nodes = Vec::with_capacity(outs.len() + ctx.assigns.len());
+            let mut nodes = SmallVec::<[NodeId; 4]>::new();
             for o in &outs {
                 nodes.push(ctx.node_of(o)?);
             }
             Ok(nodes)
         })
     });
-    let ctx = STACK
-        .with(|s| s.borrow_mut().pop())
-        .ok_or_else(|| Error::Trace("trace stack corrupted".into()))?;
+    let Some(mut ctx) = STACK.with(|s| s.borrow_mut().pop()) else {
+        return (Err(Error::Trace("trace stack corrupted".into())), None);
+    };
     std::mem::forget(pop);
-    let mut outputs = result?;
+    let outputs = result.map(|outputs| {
+        if ctx
+            .expect
+            .as_ref()
+            .is_some_and(|e| e.is_complete(&outputs, &ctx.assigns))
+        {
+            return None;
+        }
+        ctx.diverge();
+        Some(outputs)
+    });
+    let expect = ctx.expect.take().map(|e| e.traced);
+    let checked = match outputs {
+        Ok(None) => Ok(Checked::Repeat(ctx.graph)),
+        Ok(Some(outputs)) => finish(ctx, outputs).map(Checked::New),
+        Err(e) => Err(e),
+    };
+    (checked, expect)
+}
+
+/// The traced function of a finished trace (recorded in full) and its outputs.
+fn finish(ctx: TraceCtx, mut outputs: SmallVec<[NodeId; 4]>) -> Result<Traced> {
     let num_outputs = outputs.len();
     let mut graph = ctx.graph;
     let mut state_updates = Vec::new();
@@ -314,7 +560,7 @@ where
         state_updates.push((var, outputs.len()));
         outputs.push(node);
     }
-    graph.set_outputs(outputs)?;
+    graph.set_outputs(outputs.into_vec())?;
     Ok(Traced {
         graph,
         bindings: ctx.bindings,
@@ -369,31 +615,157 @@ mod tests {
         Ok(())
     }
 
-    /// `LatestTraces` answers for the same program only, and a recognised trace's graph
-    /// becomes the (empty) storage of the next trace.
+    fn repeat<T: Copy>(r: Retrace<T>) -> Option<T> {
+        match r {
+            Retrace::Repeat(v) => Some(v),
+            Retrace::New(_) => None,
+        }
+    }
+
+    fn new_trace<T>(r: Retrace<T>) -> Traced {
+        match r {
+            Retrace::New(t) => t,
+            Retrace::Repeat(_) => panic!("a repeat, where a new program was traced"),
+        }
+    }
+
+    /// `LatestTraces` answers for the same program only, and a repeat leaves its unused
+    /// storage for the next trace.
     #[test]
-    fn latest_traces_recognise_repeats_and_recycle_storage() -> Result<()> {
+    fn latest_traces_recognise_repeats_and_keep_storage() -> Result<()> {
         let sig = [f32s(&[2, 3])];
-        let exp = |g: Graph| trace_into(&sig, g, |xs| Ok(vec![xs[0].exp()?.sum_all()?]));
+        let exp = |xs: &[Tensor]| Ok(vec![xs[0].exp()?.sum_all()?]);
         let mut latest = LatestTraces::<u32>::new();
-        let first = exp(latest.storage())?;
+        let first = new_trace(latest.trace(&sig, exp)?);
         let size = first.graph.size();
-        assert_eq!(latest.get(&sig, &first), None, "nothing recorded yet");
         latest.insert(&sig, first, 7);
-        let repeat = exp(latest.storage())?;
-        assert_eq!(latest.get(&sig, &repeat), Some(7));
-        latest.recycle(repeat);
-        let storage = latest.storage();
-        assert!(storage.is_empty());
-        assert!(storage.capacity().nodes >= size.nodes);
-        let again = exp(storage)?;
-        assert_eq!(again.graph.size(), size);
-        let other = trace(&sig, |xs| Ok(vec![xs[0].sum_all()?]))?;
-        assert_eq!(latest.get(&sig, &other), None);
+        assert_eq!(repeat(latest.trace(&sig, exp)?), Some(7));
+        let spare = latest.spare.as_ref().expect("the repeat's storage is kept");
+        assert!(spare.is_empty() && spare.capacity().nodes >= size.nodes);
+        let other = new_trace(latest.trace(&sig, |xs| Ok(vec![xs[0].sum_all()?]))?);
+        assert!(other.same_program(&trace(&sig, |xs| Ok(vec![xs[0].sum_all()?]))?));
         let other_sig = [f32s(&[4])];
-        let exp4 = trace(&other_sig, |xs| Ok(vec![xs[0].exp()?.sum_all()?]))?;
-        assert_eq!(latest.get(&other_sig, &exp4), None);
-        assert_eq!(latest.get(&sig, &again), Some(7));
+        new_trace(latest.trace(&other_sig, exp)?);
+        assert_eq!(repeat(latest.trace(&sig, exp)?), Some(7));
+        Ok(())
+    }
+
+    /// A trace that differs from the latest one anywhere (first op, an operand, a constant, a
+    /// variable, the outputs, an assignment, a node more or less) is recorded as a fresh trace
+    /// would record it: same program, same input names, a valid graph.
+    #[test]
+    fn a_trace_that_differs_anywhere_is_recorded_as_a_fresh_one() -> Result<()> {
+        type Body = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>>;
+        let store = ParamStore::new();
+        let v = store.root().param("v", &[3], Init::Const(0.5))?;
+        let w = store.root().param("w", &[3], Init::Const(0.25))?;
+        let sig = [f32s(&[3]), f32s(&[3])];
+        let body = |f: fn(&[Tensor], &Tensor, &Tensor) -> Result<Vec<Tensor>>| -> Body {
+            let (v, w) = (v.clone(), w.clone());
+            Box::new(move |xs: &[Tensor]| f(xs, &v, &w))
+        };
+        let base = body(|xs, v, _| Ok(vec![xs[0].add(v)?.mul_scalar(2.0)?.sub(&xs[1])?]));
+        let variants: Vec<(&str, Body)> = vec![
+            (
+                "first op",
+                body(|xs, v, _| Ok(vec![xs[0].sub(v)?.mul_scalar(2.0)?.sub(&xs[1])?])),
+            ),
+            (
+                "operand",
+                body(|xs, v, _| Ok(vec![xs[1].add(v)?.mul_scalar(2.0)?.sub(&xs[1])?])),
+            ),
+            (
+                "variable",
+                body(|xs, _, w| Ok(vec![xs[0].add(w)?.mul_scalar(2.0)?.sub(&xs[1])?])),
+            ),
+            (
+                "constant",
+                body(|xs, v, _| Ok(vec![xs[0].add(v)?.mul_scalar(3.0)?.sub(&xs[1])?])),
+            ),
+            (
+                "last op",
+                body(|xs, v, _| Ok(vec![xs[0].add(v)?.mul_scalar(2.0)?.add(&xs[1])?])),
+            ),
+            (
+                "node more",
+                body(|xs, v, _| Ok(vec![xs[0].add(v)?.mul_scalar(2.0)?.sub(&xs[1])?.neg()?])),
+            ),
+            (
+                "node less",
+                body(|xs, v, _| Ok(vec![xs[0].add(v)?.mul_scalar(2.0)?])),
+            ),
+            (
+                "unused node",
+                body(|xs, v, _| {
+                    xs[0].exp()?;
+                    Ok(vec![xs[0].add(v)?.mul_scalar(2.0)?.sub(&xs[1])?])
+                }),
+            ),
+            (
+                "variable more",
+                body(|xs, v, w| Ok(vec![xs[0].add(v)?.mul_scalar(2.0)?.sub(&xs[1])?.add(w)?])),
+            ),
+            (
+                "output more",
+                body(|xs, v, _| {
+                    let y = xs[0].add(v)?.mul_scalar(2.0)?.sub(&xs[1])?;
+                    Ok(vec![y.clone(), y])
+                }),
+            ),
+            (
+                "other output",
+                body(|xs, v, _| {
+                    let y = xs[0].add(v)?;
+                    y.mul_scalar(2.0)?.sub(&xs[1])?;
+                    Ok(vec![y])
+                }),
+            ),
+            (
+                "assignment",
+                body(|xs, v, _| {
+                    let y = xs[0].add(v)?.mul_scalar(2.0)?.sub(&xs[1])?;
+                    v.assign(&y)?;
+                    Ok(vec![y])
+                }),
+            ),
+        ];
+        let mut latest = LatestTraces::<u32>::new();
+        let first = new_trace(latest.trace(&sig, &base)?);
+        latest.insert(&sig, first, 1);
+        for (what, f) in &variants {
+            let got = new_trace(latest.trace(&sig, f)?);
+            let fresh = trace(&sig, f)?;
+            got.graph.verify()?;
+            assert!(
+                got.same_program(&fresh),
+                "{what}: not what a fresh trace records"
+            );
+            let names = |t: &Traced| {
+                t.graph
+                    .inputs()
+                    .iter()
+                    .map(|i| i.name.clone())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(names(&got), names(&fresh), "{what}");
+            // The latest trace stays the base's: it still repeats.
+            assert_eq!(repeat(latest.trace(&sig, &base)?), Some(1), "after {what}");
+        }
+        // Random draws: the key input and the draw sites repeat too.
+        let drop_once = |xs: &[Tensor]| Ok(vec![xs[0].dropout(0.5, true)?]);
+        let drop_twice = |xs: &[Tensor]| Ok(vec![xs[0].dropout(0.5, true)?.dropout(0.5, true)?]);
+        let t = new_trace(latest.trace(&sig, drop_once)?);
+        assert!(t.bindings.iter().any(|b| matches!(b, Binding::RngKey)));
+        latest.insert(&sig, t, 3);
+        assert_eq!(repeat(latest.trace(&sig, drop_once)?), Some(3));
+        let got = new_trace(latest.trace(&sig, drop_twice)?);
+        assert!(got.same_program(&trace(&sig, drop_twice)?));
+        // A variant recorded as the latest repeats in its turn; the base then differs.
+        let (_, assigning) = &variants[variants.len() - 1];
+        let t = new_trace(latest.trace(&sig, assigning)?);
+        latest.insert(&sig, t, 2);
+        assert_eq!(repeat(latest.trace(&sig, assigning)?), Some(2));
+        assert!(repeat(latest.trace(&sig, &base)?).is_none());
         Ok(())
     }
 }

@@ -12,7 +12,7 @@ mod ops;
 mod rng;
 
 pub use context::{is_tracing, trace, Binding, Traced};
-pub(crate) use context::{trace_into, var_input, with_ctx, LatestTraces};
+pub(crate) use context::{var_input, with_ctx, LatestTraces, Retrace};
 
 use crate::backend::eager::{eval_op, kind_of};
 use crate::backend::HostTensor;
@@ -347,16 +347,10 @@ impl Tensor {
 
 /// Applies a primitive op: records it when a trace is active, otherwise evaluates it with tch.
 pub(crate) fn apply(op: Op, operands: &[&Tensor]) -> Result<Tensor> {
-    if context::is_tracing() {
-        return with_ctx(|ctx| {
-            let mut ids = smallvec::SmallVec::<[crate::ir::NodeId; 3]>::new();
-            for t in operands {
-                ids.push(ctx.node_of(t)?);
-            }
-            let node = ctx.graph.add(op, &ids)?;
-            Ok(ctx.tensor(node))
-        });
-    }
+    let op = match context::record(op, operands) {
+        Ok(traced) => return traced,
+        Err(op) => op,
+    };
     let types: Vec<&TensorType> = operands.iter().map(|t| &t.ty).collect();
     let out = op.infer(&types)?;
     let args = operands

@@ -10,12 +10,17 @@ use crate::error::{Error, Result};
 use crate::ir::{
     BinaryOp, CompareOp, DType, DotDims, Literal, Op, ReduceKind, Shape, TensorType, UnaryOp,
 };
+use smallvec::SmallVec;
 
 /// The broadcast shape of two shapes (numpy rules), or an error naming `op`.
-pub(crate) fn broadcast_shapes(op: &str, a: &TensorType, b: &TensorType) -> Result<Vec<usize>> {
+pub(crate) fn broadcast_shapes(
+    op: &str,
+    a: &TensorType,
+    b: &TensorType,
+) -> Result<SmallVec<[usize; 6]>> {
     let (ra, rb) = (a.shape.rank(), b.shape.rank());
     let r = ra.max(rb);
-    let mut out = vec![0; r];
+    let mut out = smallvec::smallvec![0; r];
     for (i, o) in out.iter_mut().enumerate() {
         let da = if i + ra >= r {
             a.shape.dim(i + ra - r)
@@ -841,6 +846,7 @@ fn matmul_type(a: &TensorType, b: &TensorType) -> Result<TensorType> {
             &TensorType::new(a.dtype, &a.shape.dims()[..ra - 2]),
             &TensorType::new(b.dtype, &b.shape.dims()[..rb - 2]),
         )?
+        .into_vec()
     } else if ra >= 2 {
         a.shape.dims()[..ra - 2].to_vec()
     } else if rb >= 2 {
