@@ -768,4 +768,112 @@ mod tests {
         assert!(repeat(latest.trace(&sig, &base)?).is_none());
         Ok(())
     }
+
+    /// One step of a random traced program over two `[3]` inputs and two variables: each
+    /// step's value is appended to the program's values.
+    #[derive(Clone, Debug, PartialEq)]
+    enum Step {
+        Exp(usize),
+        Neg(usize),
+        Add(usize, usize),
+        Mul(usize, usize),
+        AddVar(usize, usize),
+        Scale(usize, u8),
+        Assign(usize, usize),
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0..8usize).prop_map(Step::Exp),
+            (0..8usize).prop_map(Step::Neg),
+            (0..8usize, 0..8usize).prop_map(|(a, b)| Step::Add(a, b)),
+            (0..8usize, 0..8usize).prop_map(|(a, b)| Step::Mul(a, b)),
+            (0..8usize, 0..2usize).prop_map(|(a, v)| Step::AddVar(a, v)),
+            (0..8usize, 1..4u8).prop_map(|(a, c)| Step::Scale(a, c)),
+            (0..8usize, 0..2usize).prop_map(|(a, v)| Step::Assign(a, v)),
+        ]
+    }
+
+    /// Runs `steps` on `xs` (operand indices wrap around the values so far) and returns the
+    /// values `outs` picks.
+    fn run_steps(
+        xs: &[Tensor],
+        vars: &[Tensor],
+        steps: &[Step],
+        outs: &[usize],
+    ) -> Result<Vec<Tensor>> {
+        let mut v: Vec<Tensor> = xs.to_vec();
+        for s in steps {
+            let at = |i: &usize| &v[i % v.len()];
+            let y = match s {
+                Step::Exp(a) => at(a).exp()?,
+                Step::Neg(a) => at(a).neg()?,
+                Step::Add(a, b) => at(a).add(at(b))?,
+                Step::Mul(a, b) => at(a).mul(at(b))?,
+                Step::AddVar(a, k) => at(a).add(&vars[*k])?,
+                Step::Scale(a, c) => at(a).mul_scalar(f64::from(*c))?,
+                Step::Assign(a, k) => {
+                    vars[*k].assign(at(a))?;
+                    at(a).clone()
+                }
+            };
+            v.push(y);
+        }
+        Ok(outs.iter().map(|i| v[i % v.len()].clone()).collect())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Checked against the latest trace, a trace repeats it exactly when a fresh trace
+        /// of it is the same program, and a trace that does not is recorded as a fresh one:
+        /// for random programs and random edits of them (one step changed, removed or
+        /// added, outputs changed, or none).
+        #[test]
+        fn a_checked_trace_repeats_exactly_the_same_programs(
+            a in proptest::collection::vec(step(), 0..8),
+            a_outs in proptest::collection::vec(0..10usize, 1..3),
+            edit in (0..5usize, 0..8usize, step()),
+            b_outs in proptest::collection::vec(0..10usize, 1..3),
+        ) {
+            let store = ParamStore::new();
+            let vars = [
+                store.root().param("v", &[3], Init::Const(0.5))?,
+                store.root().param("w", &[3], Init::Const(0.25))?,
+            ];
+            let (kind, at, new) = edit;
+            let mut b = a.clone();
+            let mut outs = a_outs.clone();
+            match kind {
+                0 if !b.is_empty() => {
+                    let i = at % b.len();
+                    b[i] = new;
+                }
+                1 if !b.is_empty() => {
+                    b.remove(at % b.len());
+                }
+                2 => b.insert(at % (b.len() + 1), new),
+                3 => outs = b_outs,
+                _ => {}
+            }
+            let sig = [f32s(&[3]), f32s(&[3])];
+            let fa = |xs: &[Tensor]| run_steps(xs, &vars, &a, &a_outs);
+            let fb = |xs: &[Tensor]| run_steps(xs, &vars, &b, &outs);
+            let mut latest = LatestTraces::<u32>::new();
+            let first = new_trace(latest.trace(&sig, fa)?);
+            latest.insert(&sig, first, 1);
+            let same = trace(&sig, fb)?.same_program(&trace(&sig, fa)?);
+            match latest.trace(&sig, fb)? {
+                Retrace::Repeat(v) => proptest::prop_assert!(same && v == 1),
+                Retrace::New(t) => {
+                    proptest::prop_assert!(!same);
+                    t.graph.verify()?;
+                    proptest::prop_assert!(t.same_program(&trace(&sig, fb)?));
+                }
+            }
+            // The latest trace is kept either way.
+            proptest::prop_assert_eq!(repeat(latest.trace(&sig, fa)?), Some(1));
+        }
+    }
 }
