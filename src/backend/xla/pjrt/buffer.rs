@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, OnceLock};
 
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 use super::api::{Event, Fns};
 use super::client::{host_byte_size, ClientInner};
@@ -311,6 +312,12 @@ impl Buffer {
     /// # Errors
     /// [`Error::Pjrt`] if the plugin fails the query.
     pub fn dims(&self) -> Result<Vec<i64>> {
+        Ok(self.dim_list()?.into_vec())
+    }
+
+    /// [`Buffer::dims`] without allocating for up to 8 of them (a download asks for them on
+    /// every call).
+    fn dim_list(&self) -> Result<SmallVec<[i64; 8]>> {
         let api = self.client.api();
         let mut args = sys::PJRT_Buffer_Dimensions_Args::new();
         args.buffer = self.raw();
@@ -318,10 +325,12 @@ impl Buffer {
         let err = unsafe { (api.fns.PJRT_Buffer_Dimensions)(&mut args) };
         api.check("PJRT_Buffer_Dimensions", err)?;
         if args.num_dims == 0 || args.dims.is_null() {
-            return Ok(Vec::new());
+            return Ok(SmallVec::new());
         }
         // SAFETY: the plugin returned `num_dims` dimensions owned by the live buffer.
-        Ok(unsafe { std::slice::from_raw_parts(args.dims, args.num_dims) }.to_vec())
+        Ok(SmallVec::from_slice(unsafe {
+            std::slice::from_raw_parts(args.dims, args.num_dims)
+        }))
     }
 
     /// Bytes of the dense host copy: `product(dims) * element_type().byte_size()`.
@@ -329,7 +338,7 @@ impl Buffer {
     /// # Errors
     /// As [`Buffer::element_type`] and [`Buffer::dims`].
     pub fn host_size(&self) -> Result<usize> {
-        host_byte_size(self.element_type()?, &self.dims()?)
+        host_byte_size(self.element_type()?, &self.dim_list()?)
     }
 
     /// Copies the buffer into `dst` (dense, row-major), blocking until the copy is done (and
@@ -350,6 +359,12 @@ impl Buffer {
     /// buffer was deleted (donated) or its computation failed.
     pub fn to_host(&self, dst: &mut [u8]) -> Result<()> {
         let rank = self.check_host_size(dst)?;
+        self.to_host_sized(dst, rank)
+    }
+
+    /// [`Buffer::to_host`] into `dst` of the right size (checked by the caller) for a buffer
+    /// of rank `rank`.
+    fn to_host_sized(&self, dst: &mut [u8], rank: usize) -> Result<()> {
         if let Some(direct) = &self.client.direct_read {
             // Empty arrays may have no storage at all (a null address): not worth a case.
             if !dst.is_empty() && direct.read(self, rank, dst) {
@@ -390,7 +405,7 @@ impl Buffer {
     /// `Err(Error::Invalid)` unless `dst` has exactly [`Buffer::host_size`] bytes; the rank.
     fn check_host_size(&self, dst: &[u8]) -> Result<usize> {
         let ty = self.element_type()?;
-        let dims = self.dims()?;
+        let dims = self.dim_list()?;
         let expected = host_byte_size(ty, &dims)?;
         if dst.len() != expected {
             return Err(Error::Invalid(format!(
@@ -443,13 +458,13 @@ impl Buffer {
     /// [`Error::Invalid`] if `kind`'s element size differs from the buffer's; as
     /// [`Buffer::to_host`].
     pub fn to_tch(&self, kind: tch::Kind) -> Result<tch::Tensor> {
-        self.to_tch_of(kind, &self.dims()?)
+        self.to_tch_of(kind, &self.dim_list()?)
     }
 
     /// [`Buffer::to_tch`] of a buffer the caller expects to have `shape`: an error if its
     /// dims differ, so the caller may type the tensor without asking libtorch for its sizes.
     pub(crate) fn to_tch_shaped(&self, kind: tch::Kind, shape: &[usize]) -> Result<tch::Tensor> {
-        let dims = self.dims()?;
+        let dims = self.dim_list()?;
         if dims.len() != shape.len() || dims.iter().zip(shape).any(|(&d, &s)| d as usize != s) {
             return Err(Error::Internal(format!(
                 "to_tch: a buffer of dims {dims:?} was expected to have shape {shape:?}"
@@ -458,9 +473,9 @@ impl Buffer {
         self.to_tch_of(kind, &dims)
     }
 
-    /// [`Buffer::to_tch`] of a buffer whose dims are `dims`.
+    /// [`Buffer::to_tch`] of a buffer whose dims are `dims` (as the plugin gave them).
     fn to_tch_of(&self, kind: tch::Kind, dims: &[i64]) -> Result<tch::Tensor> {
-        let size = self.host_size()?;
+        let size = host_byte_size(self.element_type()?, dims)?;
         let t = crate::backend::xla::kernels::onednn::empty_cpu(kind, dims)?;
         // `empty` of `dims` holds their product of elements (counted here: tch's `numel`
         // fetches the sizes into a new `Vec` through two FFI calls).
@@ -481,7 +496,8 @@ impl Buffer {
             // nothing else refers to its storage while the slice lives (it is dropped before
             // `t` is returned).
             let dst = unsafe { std::slice::from_raw_parts_mut(p, size) };
-            self.to_host(dst)?;
+            // `size` is the buffer's host size: from its element type and dims just above.
+            self.to_host_sized(dst, dims.len())?;
         }
         Ok(t)
     }
