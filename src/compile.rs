@@ -9,6 +9,7 @@ use crate::runtime::exec::{Arg, Dest, Plan, Step, Values};
 use crate::runtime::{DeviceOutputs, DeviceResult, Runtime, Stats};
 use crate::trace::{trace, var_input, Binding, LatestTraces, Retrace, Tensor, Traced};
 use parking_lot::{Mutex, RwLock};
+use smallvec::SmallVec;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -628,13 +629,14 @@ impl<B: Backend> FnState<B> {
     /// plan if `on_device`).
     fn call(&self, inputs: &[Tensor], on_device: bool) -> Result<(Arc<FnPlan<B>>, Values<B>)> {
         // On a data-parallel backend each replica's program sees its shard of every input.
-        let signature: Vec<TensorType> = inputs
+        // Inline for up to 4 inputs: a tiny model's call is a few microseconds.
+        let signature: SmallVec<[TensorType; 4]> = inputs
             .iter()
             .enumerate()
             .map(|(i, t)| self.rt.replica_type(i, t.ty()))
             .collect::<Result<_>>()?;
         let p = self.plan(&signature)?;
-        let mut data = Vec::with_capacity(inputs.len() + 1);
+        let mut data = SmallVec::<[B::Buffer; 4]>::with_capacity(inputs.len() + 1);
         // `run` drops `data` before returning (a lent buffer's drop waits for the execution
         // reading it), so its inputs are lent (maybe without a copy); `run_on_device` hands
         // the execution over unfinished, so it copies.
