@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::ir::{Fingerprint, Graph, InputKind, NodeId, Op, TensorType};
 use crate::passes::{dedup_outputs, simplify, OutputSource};
 use crate::Tensor;
+use smallvec::SmallVec;
 use std::collections::HashSet;
 use std::sync::Arc;
 
@@ -200,7 +201,9 @@ impl<B: Backend> Runtime<B> {
     ) -> Result<Vec<(VarId, B::Buffer)>> {
         let Values { temps, hosts } = out;
         let (outs, mut forwarded) = {
-            let mut args: Vec<&B::Buffer> = Vec::with_capacity(step.args.len());
+            // Inline for small steps (a tiny model's call is a few microseconds); the lists
+            // below too.
+            let mut args: SmallVec<[&B::Buffer; 8]> = SmallVec::with_capacity(step.args.len());
             for a in &step.args {
                 args.push(match *a {
                     Arg::Data(i) => data.get(i).ok_or_else(|| {
@@ -227,7 +230,8 @@ impl<B: Backend> Runtime<B> {
                 });
             }
             // Inputs returned unchanged: copied (or downloaded) now, as the run may donate them.
-            let mut forwarded: Vec<Option<B::Buffer>> = Vec::with_capacity(step.routes.len());
+            let mut forwarded: SmallVec<[Option<B::Buffer>; 4]> =
+                SmallVec::with_capacity(step.routes.len());
             for (src, dest) in &step.routes {
                 forwarded.push(match (*src, *dest) {
                     (OutputSource::Input(i), Dest::Var(v)) if step.args[i] == Arg::Var(v) => None,
@@ -253,7 +257,7 @@ impl<B: Backend> Runtime<B> {
             (outs, forwarded)
         };
         // Host values first (reading needs no ownership), then count the owners of each output.
-        let mut uses = vec![0usize; outs.len()];
+        let mut uses: SmallVec<[usize; 8]> = smallvec::smallvec![0; outs.len()];
         for (src, dest) in &step.routes {
             if let OutputSource::Output(j) = *src {
                 let buf = outs.get(j).ok_or_else(|| {
