@@ -29,6 +29,7 @@ use crate::passes::{im2col_nodes, Pass, ScaleScatterUpdates, StripBarriers, Wide
 use autotune::{Caps, GraphChoice, Source, Tuner, Variant};
 use parking_lot::Mutex;
 use pjrt::handoff::TeamUse;
+use smallvec::SmallVec;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -387,7 +388,7 @@ impl XlaBackend {
         awaited: bool,
     ) -> Result<Vec<XlaBuffer>> {
         exe.check_arguments(inputs.len(), |i, _| Ok(&inputs[i].ty))?;
-        let raw: Vec<&pjrt::Buffer> = inputs.iter().map(|b| &b.buffer).collect();
+        let raw: SmallVec<[&pjrt::Buffer; 8]> = inputs.iter().map(|b| &b.buffer).collect();
         let outs = if awaited {
             exe.exe.execute_awaited(&raw)?
         } else {
@@ -419,7 +420,7 @@ impl XlaBackend {
                 && tt.kind() == crate::backend::eager::kind_of(ty.dtype)
                 && tt.is_contiguous()
             {
-                let dims = ty.shape.to_i64();
+                let dims: SmallVec<[i64; 8]> = ty.shape.dims().iter().map(|&d| d as i64).collect();
                 let client = &self.inner.client;
                 let et = element_type(ty.dtype);
                 let buffer = if lend {
