@@ -35,8 +35,9 @@ pub(crate) struct Resident<Buf> {
     dirty: bool,
 }
 
-/// Device copies of variables, by variable id.
-pub(crate) type VarTable<Buf> = HashMap<VarId, Resident<Buf>>;
+/// Device copies of variables, by variable id (looked up for every argument of every call:
+/// foldhash, not SipHash).
+pub(crate) type VarTable<Buf> = foldhash::HashMap<VarId, Resident<Buf>>;
 
 /// Device state and services for running compiled graphs on one backend.
 pub struct Runtime<B: Backend> {
@@ -64,7 +65,7 @@ impl<B: Backend> Runtime<B> {
         Runtime {
             backend,
             cache,
-            vars: RwLock::new(HashMap::new()),
+            vars: RwLock::new(Default::default()),
             handles: Mutex::new(HashMap::new()),
             layouts: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::default()),

@@ -8,6 +8,7 @@ use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
 use crate::backend::xla::pjrt::handoff;
 use crate::error::{Error, Result};
 use crate::ir::{DType, DotDims};
+use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::rc::Rc;
 use tch::Tensor;
@@ -68,23 +69,25 @@ thread_local! {
 
 /// The plan of a product (`dims` as in the kernel's attribute), from this thread's cache.
 fn cached_plan(dims: &[i64], a: &[i64], b: &[i64]) -> Result<Rc<DotPlan>> {
-    let key = || {
-        dims.iter()
-            .chain([&-1])
-            .chain(a)
-            .chain([&-1])
-            .chain(b)
-            .copied()
-    };
+    // Built once and compared as slices (comparing chained iterators element by element was
+    // 1.3 % of the LinearModel's call).
+    let key: SmallVec<[i64; 32]> = dims
+        .iter()
+        .chain([&-1])
+        .chain(a)
+        .chain([&-1])
+        .chain(b)
+        .copied()
+        .collect();
     PLANS.with_borrow_mut(|plans| {
-        if let Some((_, p)) = plans.iter().find(|(k, _)| k.iter().copied().eq(key())) {
+        if let Some((_, p)) = plans.iter().find(|(k, _)| k[..] == key[..]) {
             return Ok(p.clone());
         }
         let plan = Rc::new(DotPlan::new(&dot_dims_of(dims)?, a, b)?);
         if plans.len() >= PLAN_CACHE_SIZE {
             plans.clear();
         }
-        plans.push((key().collect(), plan.clone()));
+        plans.push((key.into_vec(), plan.clone()));
         Ok(plan)
     })
 }
