@@ -267,7 +267,8 @@ impl Graph {
     /// and operands (hence the same types), and the same inputs (kind, type, node, update
     /// flag; names aside), outputs and aliases? Stricter than equal [`Graph::fingerprint`]s
     /// (which ignore node ids), and one pass without sorting or hashing: what
-    /// trace-every-time compares a new trace with.
+    /// [`crate::trace::Traced::same_program`] compares graphs with (a trace every time is checked
+    /// op by op while it is recorded instead, to the same standard).
     pub fn same_structure(&self, other: &Graph) -> bool {
         if self.g.node_count() != other.g.node_count()
             || self.outputs != other.outputs

@@ -548,7 +548,8 @@ pub enum Op {
 
 impl Op {
     /// `self == other`, comparing the dimension lists of broadcasts without `memcmp` (see
-    /// [`same_dims`]); what [`crate::ir::Graph::same_structure`] compares nodes with.
+    /// [`same_dims`]); what [`crate::ir::Graph::same_structure`] compares nodes with, and a
+    /// trace every time its ops with the latest trace's.
     pub(crate) fn same_as(&self, other: &Op) -> bool {
         match (self, other) {
             (

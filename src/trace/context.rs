@@ -483,8 +483,8 @@ enum Checked {
     New(Traced),
 }
 
-/// [`trace`] into `graph` (empty), checked against `expect` as it goes (see [`Expect`]); gives `expect` back
-/// (unless `f` panics).
+/// [`trace`] into `graph` (empty), checked against `expect` as it goes (see [`Expect`]);
+/// gives `expect` back (unless `f` panics).
 fn trace_checked<F>(
     inputs: &[TensorType],
     graph: Graph,
