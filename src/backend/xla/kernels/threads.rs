@@ -82,8 +82,9 @@ pub fn set_handoff(on: bool) {
 }
 
 /// Whether a thread serving a training program's kernels throttles libgomp's spinning
-/// while it waits (default `true`, or `false` if the environment says
-/// `KILN_OMP_THROTTLE=off`).
+/// while it waits. The default: on where oneDNN has no AVX-512
+/// ([`onednn_avx512`](super::onednn_avx512)), off where it has; `KILN_OMP_THROTTLE=on` or
+/// `off` in the environment sets it either way.
 ///
 /// Why: after each kernel the serving thread's OpenMP team spins for milliseconds waiting
 /// for the next parallel region, on the CPUs XLA's workers need for the fusions between a
@@ -104,6 +105,22 @@ pub fn set_handoff(on: bool) {
 /// (1.27 / 1.32 against 1.33 / 1.33 split). The harness's eager steps interleaved with the
 /// compiled ones were level (resnet50 187 / 187 against 181 / 186 ms alone 166-176). With
 /// every program throttled, inference `--all` was 1.30× / 1.30× against 1.33× / 1.34×.
+///
+/// The price is paid inside the kernels: the team's other thread sleeps after ~100 rounds,
+/// so each of a kernel's parallel regions (a libtorch convolution runs four or five:
+/// oneDNN's reorders, the convolution, the copy into XLA's buffer) wakes it. On a 2-vCPU
+/// AMD EPYC Zen 4 (AVX-512) a libtorch parallel region took 23 µs back to back and 189 µs
+/// after its team had slept 20 ms, and resnet18's 64-channel 3×3 convolution took ~700 µs
+/// in the fused training step throttled against ~490 µs not (eager's own, cache flushed:
+/// 495 µs). There the throttle made the CNNs' steps slower; same process, the two settings
+/// alternated every 4 steps over 8–10 rounds, medians, throttled / not, split and fused,
+/// ms: resnet18 60.0 / 59.1 and 57.0 / 49.9 (again: 56.3 / 50.0, 55.9 / 49.4), resnet50
+/// 153.5 / 150.6 and 149.9 / 169.3 (again: 154.8 / 137.9, 150.7 / 139.0), resnext50_32x4d
+/// 137.2 / 135.1 and 144.7 / 137.6, mobilenet_v2 29.8 / 28.3 and 27.9 / 26.5, squeezenet1_1
+/// 13.4 / 13.0 and 12.3 / 12.6, mnasnet1_0 33.9 / 33.1 and 28.9 / 28.7; bert and vit level
+/// (51.2 / 51.0, 51.8 / 52.0; 44.7 / 44.8, 48.7 / 48.7). Hence off where oneDNN runs its
+/// AVX-512 kernels, whose faster convolutions leave less time for the CPU the throttle
+/// frees; the AVX2 default rests on the Zen 2 figures above.
 pub fn set_spin_throttle(on: bool) {
     throttle::set_wanted(on);
 }

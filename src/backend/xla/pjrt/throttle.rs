@@ -10,8 +10,15 @@
 //! thread more than the CPUs: every team's spin is then throttled. When the last such
 //! execution's wait ends, the team is released (synchronously: the process's own libtorch
 //! code after kiln's call gets libgomp's full spin back, as if kiln were not linked).
+//!
+//! The cost: inside a kernel, the team's other thread now sleeps between the kernel's
+//! parallel regions (oneDNN's reorders, the convolution, the copy into XLA's buffer), and each
+//! region wakes it. Where the kernels are fast (oneDNN with AVX-512) that cost outweighs the
+//! CPU time the throttle frees for XLA, so the throttle is on by default only without
+//! AVX-512 ([`default_wanted`]; measurements at `kernels::set_spin_throttle`).
 
 use super::handoff::{omp_pause_resource_all, PauseAll};
+use crate::backend::xla::kernels::onednn_avx512;
 use parking_lot::{Condvar, Mutex};
 use std::ffi::{c_uint, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,15 +78,31 @@ static THROTTLE: Throttle = Throttle {
     changed: Condvar::new(),
 };
 
-/// Whether [`hold`] throttles (initially on unless the environment says
-/// `KILN_OMP_THROTTLE=off`).
+/// Whether [`hold`] throttles: initially as the environment says (`KILN_OMP_THROTTLE=on` or
+/// `off`, also `1` / `0`), else [`default_wanted`].
 static WANTED: OnceLock<AtomicBool> = OnceLock::new();
 
 fn wanted() -> &'static AtomicBool {
     WANTED.get_or_init(|| {
-        let off = std::env::var("KILN_OMP_THROTTLE").is_ok_and(|v| v == "off" || v == "0");
-        AtomicBool::new(!off)
+        let env = std::env::var("KILN_OMP_THROTTLE").ok();
+        AtomicBool::new(setting(env.as_deref()).unwrap_or_else(default_wanted))
     })
+}
+
+/// A `KILN_OMP_THROTTLE` value: `Some(on)`, or `None` (unset or not understood: the default).
+fn setting(value: Option<&str>) -> Option<bool> {
+    match value? {
+        "off" | "0" => Some(false),
+        "on" | "1" => Some(true),
+        _ => None,
+    }
+}
+
+/// The throttle's default: on unless oneDNN runs its AVX-512 kernels here
+/// ([`onednn_avx512`]), where the wake-ups it adds inside each kernel cost more than it
+/// frees (see the module notes).
+pub(crate) fn default_wanted() -> bool {
+    !onednn_avx512()
 }
 
 /// Turns the throttle on or off for the process (see `kernels::set_spin_throttle`).
@@ -98,7 +121,15 @@ pub(crate) struct Hold(bool);
 /// Throttles libgomp's spinning until the returned guard drops; nothing where libgomp is
 /// not in the process or the throttle is off.
 pub(crate) fn hold() -> Hold {
-    if !is_wanted() || gomp().is_none() {
+    if !is_wanted() {
+        return Hold(false);
+    }
+    hold_team()
+}
+
+/// [`hold`], whatever [`is_wanted`] says.
+fn hold_team() -> Hold {
+    if gomp().is_none() {
         return Hold(false);
     }
     let mut s = THROTTLE.state.lock();
@@ -172,10 +203,10 @@ mod tests {
 
     #[test]
     fn a_hold_makes_the_idle_team_and_its_release_ends_it() {
-        if gomp().is_none() || !is_wanted() {
+        if gomp().is_none() {
             return; // no libgomp in this process: nothing to throttle
         }
-        let h = hold();
+        let h = hold_team();
         assert!(h.0);
         let start = Instant::now();
         while !THROTTLE.state.lock().team {
@@ -189,5 +220,16 @@ mod tests {
         // Other tests may hold it too; without holders the team must be gone already.
         let s = THROTTLE.state.lock();
         assert!(s.holders > 0 || (!s.team && !s.changing));
+    }
+
+    #[test]
+    fn the_environment_overrides_the_default() {
+        assert_eq!(setting(Some("off")), Some(false));
+        assert_eq!(setting(Some("0")), Some(false));
+        assert_eq!(setting(Some("on")), Some(true));
+        assert_eq!(setting(Some("1")), Some(true));
+        assert_eq!(setting(Some("maybe")), None);
+        assert_eq!(setting(None), None);
+        assert_eq!(default_wanted(), !onednn_avx512());
     }
 }
