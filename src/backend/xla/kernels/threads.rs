@@ -115,7 +115,9 @@ pub fn set_handoff(on: bool) {
 /// 495 µs). There the throttle made the CNNs' steps slower; same process, the two settings
 /// alternated every 4 steps over 8–10 rounds, medians, throttled / not, split and fused,
 /// ms: resnet18 60.0 / 59.1 and 57.0 / 49.9 (again: 56.3 / 50.0, 55.9 / 49.4), resnet50
-/// 153.5 / 150.6 and 149.9 / 169.3 (again: 154.8 / 137.9, 150.7 / 139.0), resnext50_32x4d
+/// in five processes 153.5 / 150.6 and 149.9 / 169.3, 154.8 / 137.9 and 150.7 / 139.0,
+/// 144.9 / 132.1 and 146.6 / 130.5, 147.0 / 131.2 and 133.0 / 132.9, 149.2 / 137.4 and
+/// 139.1 / 135.8, resnext50_32x4d
 /// 137.2 / 135.1 and 144.7 / 137.6, mobilenet_v2 29.8 / 28.3 and 27.9 / 26.5, squeezenet1_1
 /// 13.4 / 13.0 and 12.3 / 12.6, mnasnet1_0 33.9 / 33.1 and 28.9 / 28.7; bert and vit level
 /// (51.2 / 51.0, 51.8 / 52.0; 44.7 / 44.8, 48.7 / 48.7). Hence off where oneDNN runs its
