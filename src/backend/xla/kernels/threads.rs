@@ -117,12 +117,12 @@ pub fn set_handoff(on: bool) {
 /// ms: resnet18 60.0 / 59.1 and 57.0 / 49.9 (again: 56.3 / 50.0, 55.9 / 49.4), resnet50
 /// in five processes 153.5 / 150.6 and 149.9 / 169.3, 154.8 / 137.9 and 150.7 / 139.0,
 /// 144.9 / 132.1 and 146.6 / 130.5, 147.0 / 131.2 and 133.0 / 132.9, 149.2 / 137.4 and
-/// 139.1 / 135.8, resnext50_32x4d
-/// 137.2 / 135.1 and 144.7 / 137.6, mobilenet_v2 29.8 / 28.3 and 27.9 / 26.5, squeezenet1_1
-/// 13.4 / 13.0 and 12.3 / 12.6, mnasnet1_0 33.9 / 33.1 and 28.9 / 28.7; bert and vit level
-/// (51.2 / 51.0, 51.8 / 52.0; 44.7 / 44.8, 48.7 / 48.7). Hence off where oneDNN runs its
-/// AVX-512 kernels, whose faster convolutions leave less time for the CPU the throttle
-/// frees; the AVX2 default rests on the Zen 2 figures above.
+/// 139.1 / 135.8, resnext50_32x4d 137.2 / 135.1 and 144.7 / 137.6, mobilenet_v2 29.8 /
+/// 28.3 and 27.9 / 26.5, squeezenet1_1 13.4 / 13.0 and 12.3 / 12.6, mnasnet1_0 33.9 / 33.1
+/// and 28.9 / 28.7; bert and vit level (51.2 / 51.0, 51.8 / 52.0; 44.7 / 44.8, 48.7 /
+/// 48.7). Hence off where oneDNN runs its AVX-512 kernels, whose faster convolutions leave
+/// less time for the CPU the throttle frees; the AVX2 default rests on the Zen 2 figures
+/// above.
 pub fn set_spin_throttle(on: bool) {
     throttle::set_wanted(on);
 }
