@@ -77,12 +77,7 @@ impl Contender for InferenceContender {
     /// read back.
     fn run(&mut self, inputs: &[Tensor], iterations: usize) -> Result<Vec<f64>> {
         if iterations == 1 {
-            return match self.f.run(inputs)?.first() {
-                Some(t) => Ok(t.to_f64_vec()?),
-                None => Err(Error::Invalid(
-                    "compiled function returned no output".into(),
-                )),
-            };
+            return first_output(&self.f.run(inputs)?);
         }
         let mut outs = Vec::with_capacity(iterations);
         for _ in 0..iterations {
@@ -94,15 +89,20 @@ impl Contender for InferenceContender {
         let Some(last) = outs.last() else {
             return Ok(Vec::new());
         };
-        match last.to_host()?.first() {
-            Some(t) => Ok(t.to_f64_vec()?),
-            None => Err(Error::Invalid(
-                "compiled function returned no output".into(),
-            )),
-        }
+        first_output(&last.to_host()?)
     }
 
     fn stats(&self) -> Option<Stats> {
         Some(self.f.stats())
+    }
+}
+
+/// The values of a compiled call's first output (the one the harness compares with eager).
+fn first_output(outputs: &[Tensor]) -> Result<Vec<f64>> {
+    match outputs.first() {
+        Some(t) => Ok(t.to_f64_vec()?),
+        None => Err(Error::Invalid(
+            "compiled function returned no output".into(),
+        )),
     }
 }
