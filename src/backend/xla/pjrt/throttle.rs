@@ -101,7 +101,7 @@ fn setting(value: Option<&str>) -> Option<bool> {
 /// The throttle's default: on unless oneDNN runs its AVX-512 kernels here
 /// ([`onednn_avx512`]), where the wake-ups it adds inside each kernel cost more than it
 /// frees (see the module notes).
-pub(crate) fn default_wanted() -> bool {
+fn default_wanted() -> bool {
     !onednn_avx512()
 }
 
