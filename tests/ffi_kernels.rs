@@ -13,12 +13,14 @@ use common::{autograd_conv_layers, conv_cases, conv_graph, floats, run, xla, Spl
 use kiln::autograd::vjp;
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::kernels::{
-    AFTER_TARGET, COLUMN_SUM_TARGET, CONV_TARGET, DOT_TARGET, TRANSPOSE_TARGET,
+    AFTER_TARGET, COLUMN_SUM_TARGET, CONV_TARGET, DOT_TARGET, SELECT_SCATTER_TARGET,
+    TRANSPOSE_TARGET,
 };
 use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{
     BinaryOp, ConvAttrs, DType, DotDims, Graph, InputKind, Op, ReduceKind, TensorType, UnaryOp,
+    WindowAttrs,
 };
 
 fn native() -> XlaBackend {
@@ -361,6 +363,88 @@ fn leading_dim_sums_go_through_the_column_sum_kernel() {
         let what = format!("column sum {i} {dt} {dims:?} over {axes:?}");
         let (ef, en) = check_on(&auto, &what, &g, &ins, COLUMN_SUM_TARGET);
         println!("{what}: relative error with the kernel {ef:.2e}, XLA {en:.2e}");
+    }
+}
+
+/// `x` and its max-pooling gradient for window attributes `w`: `SelectAndScatter(x, s)`.
+fn select_scatter_graph(xt: &TensorType, w: &WindowAttrs) -> (Graph, TensorType) {
+    let mut g = Graph::new();
+    let x = g.add_input(InputKind::Data, "x", xt.clone());
+    let pooled = g
+        .add(
+            Op::ReduceWindow {
+                kind: ReduceKind::Max,
+                attrs: w.clone(),
+            },
+            &[x],
+        )
+        .unwrap();
+    let st = g.node(pooled).ty.clone();
+    let s = g.add_input(InputKind::Data, "s", st.clone());
+    let y = g.add(Op::SelectAndScatter(w.clone()), &[x, s]).unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    (g, st)
+}
+
+/// Max pooling's gradient (1-, 2- and 3-d windows, padded, overlapping, f32 and f64) runs as
+/// kiln's select-and-scatter kernel and matches XLA's lowering of the same rule and the
+/// float64 reference; with ties and NaNs it picks the elements the eager interpreter picks.
+#[test]
+fn max_pool_gradients_go_through_the_select_and_scatter_kernel() {
+    let auto = xla().with_options(XlaOptions::plain().ffi(FfiMode::Auto));
+    let wa = |window: &[usize], strides: &[usize], padding: &[(usize, usize)]| WindowAttrs {
+        window: window.to_vec(),
+        strides: strides.to_vec(),
+        padding: padding.to_vec(),
+    };
+    let cases = [
+        (vec![2, 3, 9, 8], wa(&[3, 3], &[2, 2], &[(1, 1), (1, 1)])),
+        (vec![1, 4, 8, 8], wa(&[2, 2], &[2, 2], &[(0, 0), (0, 0)])),
+        (vec![2, 2, 11], wa(&[3], &[1], &[(2, 0)])),
+        (
+            vec![1, 2, 4, 5, 6],
+            wa(&[2, 3, 2], &[1, 2, 2], &[(0, 1), (1, 1), (0, 0)]),
+        ),
+    ];
+    for (i, (dims, w)) in cases.iter().enumerate() {
+        for dt in [DType::F32, DType::F64] {
+            let xt = TensorType::new(dt, dims.as_slice());
+            let (g, st) = select_scatter_graph(&xt, w);
+            assert!(
+                !native().lower(&g).unwrap().contains(SELECT_SCATTER_TARGET),
+                "case {i}: no kernels, XLA's lowering"
+            );
+            let ins = [random(&xt, 700 + i as u64), random(&st, 800 + i as u64)];
+            let what = format!("select-and-scatter {i} {dt} {dims:?} {w:?}");
+            let (ef, en) = check_on(&auto, &what, &g, &ins, SELECT_SCATTER_TARGET);
+            println!("{what}: relative error with the kernel {ef:.2e}, XLA {en:.2e}");
+        }
+    }
+    // Ties (a ReLU'd grid of few values) and NaNs: the same selection as the interpreter, so
+    // the same result up to the order of additions at positions shared by windows.
+    let (dims, w) = &cases[0];
+    let xt = TensorType::new(DType::F32, dims.as_slice());
+    let (g, st) = select_scatter_graph(&xt, w);
+    let mut r = SplitMix64::mixed(9);
+    let mut k = 0;
+    let x = floats(xt.shape.dims(), DType::F32, || {
+        k += 1;
+        if k % 37 == 0 {
+            f64::NAN
+        } else {
+            ((r.uniform() * 4.0).floor() - 1.0).max(0.0)
+        }
+    });
+    let ins = [x, random(&st, 11)];
+    let want = run(&EagerBackend::new(), &g, &ins)[0].to_f64_vec();
+    for (name, b) in [("kernel", &auto), ("XLA", &native())] {
+        let got = run(b, &g, &ins)[0].to_f64_vec();
+        for (j, (a, e)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (a - e).abs() <= 1e-6 * e.abs().max(1.0),
+                "{name}: element {j}: {a} vs the interpreter's {e}"
+            );
+        }
     }
 }
 

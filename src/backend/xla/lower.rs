@@ -435,6 +435,38 @@ impl<'g> Emitter<'g> {
         true
     }
 
+    /// Writes select-and-scatter node `id` as kiln's kernel where it runs it
+    /// ([`kernels::runs_select_scatter`]); `false` (nothing written) for any other node, or
+    /// when the kernels are not available.
+    fn select_scatter_call(&mut self, id: NodeId, res: &str, out_ty: &str) -> bool {
+        if !self.ffi.own_kernels() || !kernels::runs_select_scatter(self.g, id) {
+            return false;
+        }
+        let n = self.g.node(id);
+        let Op::SelectAndScatter(w) = &n.op else {
+            return false;
+        };
+        let (x, s) = (n.operands[0], n.operands[1]);
+        let attrs = kernels::custom_call_attrs(
+            kernels::SELECT_SCATTER_TARGET,
+            &kernels::select_scatter_config(w),
+            &[&self.g.node(x).ty, &self.g.node(s).ty],
+            &n.ty,
+        );
+        let names = [self.name(x).to_string(), self.name(s).to_string()];
+        let tys = [self.ty(x), self.ty(s)];
+        self.generic(
+            res,
+            "stablehlo.custom_call",
+            &[&names[0], &names[1]],
+            &tys,
+            &attrs,
+            out_ty,
+        );
+        self.names.insert(id, res.to_string());
+        true
+    }
+
     /// `  %res = "op"(args) {attrs} : (arg types) -> result type`
     fn generic(
         &mut self,
@@ -811,6 +843,7 @@ impl<'g> Emitter<'g> {
         if self.ffi_call(id, &res, &out_ty)
             || self.dot_on_transposed(id, &res, &out_ty)
             || self.column_sum(id, &res, &out_ty)
+            || self.select_scatter_call(id, &res, &out_ty)
         {
             return;
         }

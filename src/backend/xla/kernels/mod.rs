@@ -38,11 +38,13 @@
 //! cores with OpenMP; two at once would oversubscribe them), with libtorch's default thread
 //! count unless [`set_threads`] says otherwise — see [`torch_lock`].
 //!
-//! Two more are not libtorch's but kiln's own, plain Rust where XLA's code is slow:
+//! Three more are not libtorch's but kiln's own, plain Rust where XLA's code is slow:
 //! [`TRANSPOSE_TARGET`], the block transpose of a product's operand that XLA would otherwise
 //! copy into its canonical layout with a strided loop that is ~10× slow on rows of 4 KiB (the
-//! `transpose` module), and [`COLUMN_SUM_TARGET`], a sum over leading dims (a training
+//! `transpose` module), [`COLUMN_SUM_TARGET`], a sum over leading dims (a training
 //! step's bias gradients), which XLA computes as a tree of windowed reductions (the `colsum`
+//! module), and [`SELECT_SCATTER_TARGET`], max pooling's gradient, which the lowering
+//! otherwise spells out as a variadic `reduce_window` and a scatter (the `select_scatter`
 //! module).
 //!
 //! Besides these, fused kernels stand for several nodes each: packed convolutions and linears
@@ -64,6 +66,7 @@ mod mlir;
 pub(crate) mod onednn;
 mod packed;
 mod packed_linear;
+mod select_scatter;
 mod selftest;
 mod threads;
 mod transpose;
@@ -101,6 +104,7 @@ pub(crate) use conv::ConvKernel;
 pub(crate) use dot::DotKernel;
 pub(crate) use packed::{packed_conv, PackedConvKernel};
 pub(crate) use packed_linear::{packed_linear, PackedLinearKernel};
+pub(crate) use select_scatter::{runs_select_scatter, select_scatter_config, SelectScatterKernel};
 pub(crate) use selftest::enable;
 pub(crate) use transpose::{dot_operand_transposes_in, TransposeKernel};
 
@@ -121,6 +125,9 @@ pub const DOT_TARGET: &str = "kiln_dot_v1";
 pub const TRANSPOSE_TARGET: &str = "kiln_transpose_v1";
 /// The custom call target of kiln's sum over leading dims (the `colsum` module).
 pub const COLUMN_SUM_TARGET: &str = "kiln_column_sum_v1";
+/// The custom call target of kiln's max-pooling gradient, `Op::SelectAndScatter` (the
+/// `select_scatter` module).
+pub const SELECT_SCATTER_TARGET: &str = "kiln_select_and_scatter_v1";
 
 /// Which convolutions and dots the XLA backend hands to libtorch through FFI custom calls.
 ///
@@ -582,7 +589,8 @@ pub trait FfiSelect {
 
     /// May kiln's own kernels (plain Rust, no libtorch) stand in for XLA's code where that
     /// is slow: the block transpose of a product's operand ([`TRANSPOSE_TARGET`],
-    /// [`dot_operand_transposes`]) and the sum over leading dims ([`COLUMN_SUM_TARGET`])?
+    /// [`dot_operand_transposes`]), the sum over leading dims ([`COLUMN_SUM_TARGET`]) and max
+    /// pooling's gradient ([`SELECT_SCATTER_TARGET`])?
     /// Needs the kernels registered, like [`FfiSelect::orders`].
     fn own_kernels(&self) -> bool {
         self.orders()

@@ -2,7 +2,7 @@
 
 use super::{
     conv_call_mlir, dot_call_mlir, AfterKernel, AttentionKernel, ColumnSumKernel, ConvKernel,
-    DotKernel, PackedConvKernel, PackedLinearKernel, TransposeKernel,
+    DotKernel, PackedConvKernel, PackedLinearKernel, SelectScatterKernel, TransposeKernel,
 };
 use crate::backend::xla::lower::tensor_type;
 use crate::error::{Error, Result};
@@ -31,6 +31,7 @@ pub(crate) fn enable(backend: &crate::backend::xla::XlaBackend) -> std::result::
         .and_then(|()| api.register_ffi_kernel::<AttentionKernel>())
         .and_then(|()| api.register_ffi_kernel::<TransposeKernel>())
         .and_then(|()| api.register_ffi_kernel::<ColumnSumKernel>())
+        .and_then(|()| api.register_ffi_kernel::<SelectScatterKernel>())
         .map_err(|e| format!("registering the FFI handlers failed: {e}"))?;
     self_test(backend).map_err(|e| format!("the FFI self-test failed: {e}"))
 }
