@@ -153,12 +153,12 @@ impl FfiMode {
     pub fn key(&self) -> String {
         let rule = match self {
             FfiMode::Off => return "off".into(),
-            FfiMode::All if packed_conv_enabled() => return "all7".into(),
-            FfiMode::All => return "all7-unpacked".into(),
+            FfiMode::All if packed_conv_enabled() => return "all8".into(),
+            FfiMode::All => return "all8-unpacked".into(),
             // The rule's packed linears depend on oneDNN's ISA (`auto_packed_linear`).
-            FfiMode::Auto if !packed_conv_enabled() => "auto15-unpacked",
-            FfiMode::Auto if onednn::avx512() => "auto15-avx512",
-            FfiMode::Auto => "auto15",
+            FfiMode::Auto if !packed_conv_enabled() => "auto16-unpacked",
+            FfiMode::Auto if onednn::avx512() => "auto16-avx512",
+            FfiMode::Auto => "auto16",
         };
         rule.into()
     }
