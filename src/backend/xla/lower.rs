@@ -414,24 +414,8 @@ impl<'g> Emitter<'g> {
         let Some(lead) = kernels::column_sum_lead(self.g, id) else {
             return false;
         };
-        let n = self.g.node(id);
-        let x = n.operands[0];
-        let attrs = kernels::custom_call_attrs(
-            kernels::COLUMN_SUM_TARGET,
-            &format!("lead = {lead} : i64"),
-            &[&self.g.node(x).ty],
-            &n.ty,
-        );
-        let (name, ty) = (self.name(x).to_string(), self.ty(x));
-        self.generic(
-            res,
-            "stablehlo.custom_call",
-            &[&name],
-            &[ty],
-            &attrs,
-            out_ty,
-        );
-        self.names.insert(id, res.to_string());
+        let config = format!("lead = {lead} : i64");
+        self.own_kernel_call(id, res, out_ty, kernels::COLUMN_SUM_TARGET, &config);
         true
     }
 
@@ -442,29 +426,30 @@ impl<'g> Emitter<'g> {
         if !self.ffi.own_kernels() || !kernels::runs_select_scatter(self.g, id) {
             return false;
         }
-        let n = self.g.node(id);
-        let Op::SelectAndScatter(w) = &n.op else {
+        let Op::SelectAndScatter(w) = &self.g.node(id).op else {
             return false;
         };
-        let (x, s) = (n.operands[0], n.operands[1]);
-        let attrs = kernels::custom_call_attrs(
-            kernels::SELECT_SCATTER_TARGET,
-            &kernels::select_scatter_config(w),
-            &[&self.g.node(x).ty, &self.g.node(s).ty],
-            &n.ty,
-        );
-        let names = [self.name(x).to_string(), self.name(s).to_string()];
-        let tys = [self.ty(x), self.ty(s)];
-        self.generic(
-            res,
-            "stablehlo.custom_call",
-            &[&names[0], &names[1]],
-            &tys,
-            &attrs,
-            out_ty,
-        );
-        self.names.insert(id, res.to_string());
+        let config = kernels::select_scatter_config(w);
+        self.own_kernel_call(id, res, out_ty, kernels::SELECT_SCATTER_TARGET, &config);
         true
+    }
+
+    /// Writes node `id` as a custom call to one of kiln's own kernels, `target`, on the
+    /// node's operands, with `config` as its backend config.
+    fn own_kernel_call(&mut self, id: NodeId, res: &str, out_ty: &str, target: &str, config: &str) {
+        let g = self.g;
+        let n = g.node(id);
+        let operand_tys: Vec<&TensorType> = n.operands.iter().map(|&o| &g.node(o).ty).collect();
+        let attrs = kernels::custom_call_attrs(target, config, &operand_tys, &n.ty);
+        let names: Vec<String> = n
+            .operands
+            .iter()
+            .map(|&o| self.name(o).to_string())
+            .collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let tys: Vec<String> = n.operands.iter().map(|&o| self.ty(o)).collect();
+        self.generic(res, "stablehlo.custom_call", &names, &tys, &attrs, out_ty);
+        self.names.insert(id, res.to_string());
     }
 
     /// `  %res = "op"(args) {attrs} : (arg types) -> result type`

@@ -4,7 +4,8 @@ use super::{ConvForm, CONV_TARGET, DOT_TARGET};
 use crate::backend::xla::lower::tensor_type;
 use crate::ir::{ConvAttrs, DotDims, TensorType};
 
-fn i64_array(v: impl IntoIterator<Item = i64>) -> String {
+/// `array<i64: ...>` of `v` (`array<i64>` when empty).
+pub(super) fn i64_array(v: impl IntoIterator<Item = i64>) -> String {
     let items: Vec<String> = v.into_iter().map(|x| x.to_string()).collect();
     if items.is_empty() {
         "array<i64>".into()

@@ -18,6 +18,7 @@
 //! the sums at a position shared by overlapping windows are added in the windows' row-major
 //! order.
 
+use super::mlir::i64_array;
 use super::SELECT_SCATTER_TARGET;
 use crate::backend::xla::pjrt::ffi::{Call, FfiKernel};
 use crate::error::{Error, Result};
@@ -73,16 +74,16 @@ pub(crate) fn runs_select_scatter(g: &Graph, id: NodeId) -> bool {
 
 /// The kernel's attributes (inside `backend_config = {...}`) for window attributes `w`.
 pub(crate) fn select_scatter_config(w: &WindowAttrs) -> String {
-    let list = |v: Vec<usize>| {
-        let items: Vec<String> = v.iter().map(|d| d.to_string()).collect();
-        format!("array<i64: {}>", items.join(", "))
-    };
-    let padding = w.padding.iter().flat_map(|&(lo, hi)| [lo, hi]).collect();
+    let list = |v: &[usize]| i64_array(v.iter().map(|&d| d as i64));
+    let padding = i64_array(
+        w.padding
+            .iter()
+            .flat_map(|&(lo, hi)| [lo as i64, hi as i64]),
+    );
     format!(
-        "padding = {}, strides = {}, window = {}",
-        list(padding),
-        list(w.strides.clone()),
-        list(w.window.clone())
+        "padding = {padding}, strides = {}, window = {}",
+        list(&w.strides),
+        list(&w.window)
     )
 }
 
