@@ -8,7 +8,7 @@ use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::kernels::{self, PACKED_CONV_TARGET, PACKED_LINEAR_TARGET};
 use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::ir::DType;
-use kiln::nn::ParamStore;
+use kiln::nn::{Linear, Module, ParamStore};
 use kiln::zoo::{self, Model, SharedModel};
 use kiln::{compile, Tensor};
 use std::sync::Mutex;
@@ -117,14 +117,17 @@ fn zoo_models_with_packed_kernels_match_float64() {
     // under the rule only beside its packed linears: without AVX-512 they stay in XLA, the
     // program's kernels would run serially, and ungrouped convolutions then go back to XLA
     // (`kernels::rule_selection`).
+    //
+    // Packed linear calls: all of them, those with few rows; a transformer's feed-forward
+    // pair (fc1, fc2) is one call (alexnet's three linears in a row stay three).
     for (name, all_convs, auto_convs, linears, few_row_linears) in [
         ("resnet18", 20, 20, 1, 1),
         ("mobilenet_v2", 52, 52, 1, 1),
         ("squeezenet1_1", 26, 0, 0, 0),
         ("resnext50_32x4d", 53, 53, 1, 1),
         ("alexnet", 5, 4, 3, 3),
-        ("bert", 0, 0, 16, 0),
-        ("vit", 1, usize::from(wide), 17, 1),
+        ("bert", 0, 0, 16 - 4, 0),
+        ("vit", 1, usize::from(wide), 17 - 4, 1),
     ] {
         let model = SharedModel::new(zoo::build(name, 0).unwrap());
         randomize_batch_norm(&model, 77);
@@ -284,5 +287,79 @@ fn fresh_functions_on_reused_memory_see_their_own_weights() {
                 "round {round} call {call}: differs from eager by {e:.2e}"
             );
         }
+    }
+}
+
+/// A feed-forward pair, `fc2(act(fc1(x)))` with fc2's optional residual sum, runs as one
+/// packed linear call (fc1's result never leaves libtorch) and matches float64 within what
+/// float32 costs eager libtorch, for each epilogue of the first linear and of the second.
+#[test]
+fn feed_forward_pairs_are_one_call_and_match_float64() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (case, (bias1, act, residual)) in [
+        (true, "gelu", true),
+        (false, "relu", false),
+        (true, "none", true),
+        (false, "gelu", false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let store = ParamStore::with_seed(40 + case as u64);
+        let root = store.root();
+        let fc1 = Linear::new(&root.sub("fc1"), 64, 96, bias1).unwrap();
+        let fc2 = Linear::new(&root.sub("fc2"), 96, 48, true).unwrap();
+        let store64 = ParamStore::with_seed(0)
+            .with_float_dtype(DType::F64)
+            .unwrap();
+        let root64 = store64.root();
+        let fc1_64 = Linear::new(&root64.sub("fc1"), 64, 96, bias1).unwrap();
+        let fc2_64 = Linear::new(&root64.sub("fc2"), 96, 48, true).unwrap();
+        store64.copy_from(&store).unwrap();
+        let ffn = move |fc1: &Linear, fc2: &Linear, xs: &[Tensor]| -> kiln::Result<Tensor> {
+            let h = fc1.forward(&xs[0])?;
+            let h = match act {
+                "gelu" => h.gelu(false)?,
+                "relu" => h.relu()?,
+                _ => h,
+            };
+            let y = fc2.forward(&h)?;
+            if residual {
+                y.add(&xs[1])
+            } else {
+                Ok(y)
+            }
+        };
+        let xs = vec![
+            Tensor::randn(&[3, 40, 64], 7 + case as u64).unwrap(),
+            Tensor::randn(&[3, 40, 48], 8 + case as u64).unwrap(),
+        ];
+        let xs64: Vec<Tensor> = xs.iter().map(|x| x.to_dtype(DType::F64).unwrap()).collect();
+        let want = values(&ffn(&fc1_64, &fc2_64, &xs64).unwrap());
+        let eager = values(&ffn(&fc1, &fc2, &xs).unwrap());
+        let be = xla().with_options(XlaOptions::default().ffi(FfiMode::All));
+        let mut f = compile(be, move |xs: &[Tensor]| Ok(vec![ffn(&fc1, &fc2, xs)?]));
+        let text = f
+            .inspect(&xs)
+            .unwrap()
+            .text("stablehlo")
+            .unwrap()
+            .to_string();
+        let pre = if bias1 { 2 } else { 0 };
+        assert_eq!(
+            (
+                text.matches(PACKED_LINEAR_TARGET).count(),
+                text.matches(&format!("pre_epilogue = {pre} : i64")).count()
+            ),
+            (1, 1),
+            "case {case}: one paired call:\n{text}"
+        );
+        let got = values(&f.run(&xs).unwrap()[0]);
+        let (e_xla, e_eager) = (rel_err(&got, &want), rel_err(&eager, &want));
+        println!("case {case}: vs float64 compiled {e_xla:.2e}, eager {e_eager:.2e}");
+        assert!(
+            e_xla <= 4.0 * e_eager + 2e-6,
+            "case {case}: compiled error {e_xla:.2e}, eager float32's {e_eager:.2e}"
+        );
     }
 }

@@ -153,12 +153,12 @@ impl FfiMode {
     pub fn key(&self) -> String {
         let rule = match self {
             FfiMode::Off => return "off".into(),
-            FfiMode::All if packed_conv_enabled() => return "all8".into(),
-            FfiMode::All => return "all8-unpacked".into(),
+            FfiMode::All if packed_conv_enabled() => return "all9".into(),
+            FfiMode::All => return "all9-unpacked".into(),
             // The rule's packed linears depend on oneDNN's ISA (`auto_packed_linear`).
-            FfiMode::Auto if !packed_conv_enabled() => "auto16-unpacked",
-            FfiMode::Auto if onednn::avx512() => "auto16-avx512",
-            FfiMode::Auto => "auto16",
+            FfiMode::Auto if !packed_conv_enabled() => "auto17-unpacked",
+            FfiMode::Auto if onednn::avx512() => "auto17-avx512",
+            FfiMode::Auto => "auto17",
         };
         rule.into()
     }
