@@ -13,8 +13,8 @@ use common::{autograd_conv_layers, conv_cases, conv_graph, floats, run, xla, Spl
 use kiln::autograd::vjp;
 use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::kernels::{
-    AFTER_TARGET, COLUMN_SUM_TARGET, CONV_TARGET, DOT_TARGET, SELECT_SCATTER_TARGET,
-    TRANSPOSE_TARGET,
+    AFTER_TARGET, COLUMN_SUM_TARGET, CONV_TARGET, DOT_TARGET, PACKED_LINEAR_TARGET,
+    SELECT_SCATTER_TARGET, TRANSPOSE_TARGET,
 };
 use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
@@ -708,6 +708,30 @@ fn wrong_result_shape_is_an_error_with_a_message() {
         &["split"],
     );
     run_one(COLUMN_SUM_TARGET, "lead = 1 : i64", "8", &["[8, 6]", "[8]"]);
+
+    // The packed linear pair: the first linear takes a bias at most (no residual).
+    let mlir = format!(
+        "module @m {{\n func.func public @main(%x: tensor<8x6xf32>, %w0: tensor<5x6xf32>, %w: tensor<4x5xf32>) -> tensor<8x4xf32> {{\n  %y = \"stablehlo.custom_call\"(%x, %w0, %w) {{call_target_name = \"{PACKED_LINEAR_TARGET}\", api_version = 4 : i32, backend_config = {{act = 0 : i64, epilogue = 0 : i64, pre_act = 0 : i64, pre_epilogue = 4 : i64}}}} : (tensor<8x6xf32>, tensor<5x6xf32>, tensor<4x5xf32>) -> tensor<8x4xf32>\n  \"func.return\"(%y) : (tensor<8x4xf32>) -> ()\n }}\n}}\n"
+    );
+    let exe = b.compile_mlir(&mlir).unwrap();
+    let bufs: Vec<_> = [[8, 6], [5, 6], [4, 5]]
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            b.to_device(&random(&TensorType::new(DType::F32, *d), 10 + i as u64))
+                .unwrap()
+        })
+        .collect();
+    let raw: Vec<_> = bufs.iter().map(|x| x.raw()).collect();
+    let e = match exe.execute(&raw) {
+        Ok(outs) => outs[0].ready().expect_err("the call fails"),
+        Err(e) => e,
+    }
+    .to_string();
+    assert!(
+        e.contains(PACKED_LINEAR_TARGET) && e.contains("[5, 6]") && e.contains("epilogue 4"),
+        "{e}"
+    );
 }
 
 /// The default options send a large convolution and its input gradient to the kernel and
