@@ -8,7 +8,7 @@ use kiln::backend::eager::EagerBackend;
 use kiln::backend::xla::kernels::{self, PACKED_CONV_TARGET, PACKED_LINEAR_TARGET};
 use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
 use kiln::ir::DType;
-use kiln::nn::{Linear, Module, ParamStore};
+use kiln::nn::{Linear, Module, MultiheadAttention, ParamStore};
 use kiln::zoo::{self, Model, SharedModel};
 use kiln::{compile, Tensor};
 use std::sync::Mutex;
@@ -361,5 +361,74 @@ fn feed_forward_pairs_are_one_call_and_match_float64() {
             e_xla <= 4.0 * e_eager + 2e-6,
             "case {case}: compiled error {e_xla:.2e}, eager float32's {e_eager:.2e}"
         );
+    }
+}
+
+/// Self-attention whose q, k and v are views of one frozen input projection: the attention
+/// call runs the projection itself (its result never goes to XLA), XLA drops the projection's
+/// own call, and the result matches float64 within what float32 costs eager libtorch, with
+/// and without biases and a mask.
+#[test]
+fn attention_runs_its_input_projection() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (case, (bias, masked)) in [(true, false), (false, true)].into_iter().enumerate() {
+        let store = ParamStore::with_seed(60 + case as u64);
+        let mha = MultiheadAttention::new(&store.root().sub("attn"), 48, 4, 0.0, bias).unwrap();
+        let store64 = ParamStore::with_seed(0)
+            .with_float_dtype(DType::F64)
+            .unwrap();
+        let mha64 = MultiheadAttention::new(&store64.root().sub("attn"), 48, 4, 0.0, bias).unwrap();
+        store64.copy_from(&store).unwrap();
+        // Non-zero biases (fresh ones are zero).
+        for (name, t) in store.vars() {
+            if name.ends_with("bias") {
+                let r = Tensor::randn(t.dims(), 61)
+                    .unwrap()
+                    .mul_scalar(0.3)
+                    .unwrap();
+                store.set(&name, &r.to_host().unwrap()).unwrap();
+                store64
+                    .set(&name, &r.to_dtype(DType::F64).unwrap().to_host().unwrap())
+                    .unwrap();
+            }
+        }
+        let xs = vec![
+            Tensor::randn(&[3, 20, 48], 62 + case as u64).unwrap(),
+            Tensor::randn(&[3, 4, 20, 20], 63).unwrap(),
+        ];
+        let xs64: Vec<Tensor> = xs.iter().map(|x| x.to_dtype(DType::F64).unwrap()).collect();
+        let attend = move |m: &MultiheadAttention, xs: &[Tensor]| -> kiln::Result<Tensor> {
+            m.self_attention(&xs[0], masked.then_some(&xs[1]), false)
+        };
+        let want = values(&attend(&mha64, &xs64).unwrap());
+        let eager = values(&attend(&mha, &xs).unwrap());
+        let be = xla().with_options(XlaOptions::default().ffi(FfiMode::All));
+        let mut f = compile(be, move |xs: &[Tensor]| Ok(vec![attend(&mha, xs)?]));
+        let inspected = f.inspect(&xs).unwrap();
+        let text = inspected.text("stablehlo").unwrap().to_string();
+        let optimized = inspected.text("optimized_hlo").unwrap().to_string();
+        assert!(
+            text.contains("pre_epilogue"),
+            "case {case}: the attention call runs the projection:\n{text}"
+        );
+        // Only the output projection's call is left.
+        assert_eq!(
+            optimized
+                .matches(&format!("\"{PACKED_LINEAR_TARGET}\""))
+                .count(),
+            1,
+            "case {case}:\n{optimized}"
+        );
+        for call in 0..2 {
+            let got = values(&f.run(&xs).unwrap()[0]);
+            let (e_xla, e_eager) = (rel_err(&got, &want), rel_err(&eager, &want));
+            println!(
+                "case {case} call {call}: vs float64 compiled {e_xla:.2e}, eager {e_eager:.2e}"
+            );
+            assert!(
+                e_xla <= 4.0 * e_eager + 2e-6,
+                "case {case}: compiled error {e_xla:.2e}, eager float32's {e_eager:.2e}"
+            );
+        }
     }
 }

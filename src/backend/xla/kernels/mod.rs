@@ -153,12 +153,12 @@ impl FfiMode {
     pub fn key(&self) -> String {
         let rule = match self {
             FfiMode::Off => return "off".into(),
-            FfiMode::All if packed_conv_enabled() => return "all9".into(),
-            FfiMode::All => return "all9-unpacked".into(),
+            FfiMode::All if packed_conv_enabled() => return "all10".into(),
+            FfiMode::All => return "all10-unpacked".into(),
             // The rule's packed linears depend on oneDNN's ISA (`auto_packed_linear`).
-            FfiMode::Auto if !packed_conv_enabled() => "auto17-unpacked",
-            FfiMode::Auto if onednn::avx512() => "auto17-avx512",
-            FfiMode::Auto => "auto17",
+            FfiMode::Auto if !packed_conv_enabled() => "auto18-unpacked",
+            FfiMode::Auto if onednn::avx512() => "auto18-avx512",
+            FfiMode::Auto => "auto18",
         };
         rule.into()
     }
@@ -756,7 +756,10 @@ pub fn ffi_lowering<S: FfiSelect + ?Sized>(g: &Graph, id: NodeId, mode: &S) -> O
     if let Some(a) = attention::attention_chain_of(g, id, &|t| picked(g, t, mode)) {
         let emitted =
             |src: NodeId| !matches!(ffi_lowering(g, src, mode), Some(FfiLowering::Absorbed));
-        return Some(attention::lowering(g, id, &a, &emitted));
+        let pre = (id == a.stands_for())
+            .then(|| attention::linear_source(g, &a, &|d| picked(g, d, mode)))
+            .flatten();
+        return Some(attention::lowering(g, id, &a, &emitted, pre.as_ref()));
     }
     match &n.op {
         Op::DotGeneral(d) if n.operands.len() == 2 => {

@@ -335,6 +335,12 @@ pub(crate) fn lowering(g: &Graph, id: NodeId, p: &PackedLinear) -> FfiLowering {
     }
 }
 
+/// The packed-weight cache's digest of a `[n, k]` linear weight (with the variable's
+/// address, its key; the attention call running its input projection uses it too).
+pub(crate) fn weight_digest(k: i64, n: i64) -> u64 {
+    0x6c69_6e65_6172_0001 ^ ((k as u64) << 20) ^ (n as u64)
+}
+
 /// The packed linear kernel ([`PACKED_LINEAR_TARGET`]).
 pub(crate) struct PackedLinearKernel;
 
@@ -431,7 +437,7 @@ impl FfiKernel for PackedLinearKernel {
         }
         let key = |at: usize, k: i64, n: i64| -> Result<WeightKey> {
             Ok(WeightKey {
-                digest: 0x6c69_6e65_6172_0001 ^ ((k as u64) << 20) ^ (n as u64),
+                digest: weight_digest(k, n),
                 sources: [call.arg_address(at)?].into_iter().collect(),
             })
         };
