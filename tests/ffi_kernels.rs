@@ -16,7 +16,7 @@ use kiln::backend::xla::kernels::{
     AFTER_TARGET, COLUMN_SUM_TARGET, CONV_TARGET, DOT_TARGET, PACKED_LINEAR_TARGET,
     SELECT_SCATTER_TARGET, TRANSPOSE_TARGET,
 };
-use kiln::backend::xla::{FfiMode, XlaBackend, XlaOptions};
+use kiln::backend::xla::{pjrt, FfiMode, XlaBackend, XlaOptions};
 use kiln::backend::{Backend, HostTensor};
 use kiln::ir::{
     BinaryOp, ConvAttrs, DType, DotDims, Graph, InputKind, Op, ReduceKind, TensorType, UnaryOp,
@@ -645,6 +645,15 @@ fn ffi_modes_have_distinct_cache_keys_and_off_is_pure_xla() {
 
 /// A custom call whose result type does not match its operands is an execution error that
 /// names the kernel and the shapes, not a crash.
+/// The error of running `exe` on `args`, which must fail (at launch or in its result).
+fn call_error(exe: &pjrt::LoadedExecutable, args: &[&pjrt::Buffer]) -> String {
+    match exe.execute(args) {
+        Ok(outs) => outs[0].ready().expect_err("the call fails"),
+        Err(e) => e,
+    }
+    .to_string()
+}
+
 #[test]
 fn wrong_result_shape_is_an_error_with_a_message() {
     let b = ffi();
@@ -666,11 +675,7 @@ fn wrong_result_shape_is_an_error_with_a_message() {
     let ins = [random(&xt, 1), random(&kt, 2)];
     let bufs: Vec<_> = ins.iter().map(|h| b.to_device(h).unwrap()).collect();
     let raw: Vec<_> = bufs.iter().map(|x| x.raw()).collect();
-    let e = match exe.execute(&raw) {
-        Ok(outs) => outs[0].ready().expect_err("the call fails"),
-        Err(e) => e,
-    }
-    .to_string();
+    let e = call_error(&exe, &raw);
     assert!(
         e.contains(CONV_TARGET) && e.contains("[1, 3, 3, 3]") && e.contains("[1, 3, 4, 4]"),
         "{e}"
@@ -685,11 +690,7 @@ fn wrong_result_shape_is_an_error_with_a_message() {
         let x = b
             .to_device(&random(&TensorType::new(DType::F32, [8, 6]), 3))
             .unwrap();
-        let e = match exe.execute(&[x.raw()]) {
-            Ok(outs) => outs[0].ready().expect_err("the call fails"),
-            Err(e) => e,
-        }
-        .to_string();
+        let e = call_error(&exe, &[x.raw()]);
         assert!(e.contains(target), "{e}");
         for w in want {
             assert!(e.contains(w), "{w}: {e}");
@@ -723,11 +724,7 @@ fn wrong_result_shape_is_an_error_with_a_message() {
         })
         .collect();
     let raw: Vec<_> = bufs.iter().map(|x| x.raw()).collect();
-    let e = match exe.execute(&raw) {
-        Ok(outs) => outs[0].ready().expect_err("the call fails"),
-        Err(e) => e,
-    }
-    .to_string();
+    let e = call_error(&exe, &raw);
     assert!(
         e.contains(PACKED_LINEAR_TARGET) && e.contains("[5, 6]") && e.contains("epilogue 4"),
         "{e}"
