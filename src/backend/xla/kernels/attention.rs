@@ -431,13 +431,7 @@ pub(crate) fn lowering(
     ];
     let operands = match pre {
         Some(p) => {
-            let act = match p.act {
-                Activation::None => 0,
-                Activation::Relu => 1,
-                Activation::Gelu => 3,
-                Activation::Clamp(..) => 2,
-            };
-            attrs.push(("pre_act", format!("{act} : i64")));
+            attrs.push(("pre_act", format!("{} : i64", p.act.code())));
             attrs.push((
                 "pre_epilogue",
                 format!("{} : i64", 2 * p.bias.is_some() as i64),
@@ -492,12 +486,7 @@ impl FfiKernel for AttentionKernel {
             None => None,
             Some(_) => {
                 let flags = call.attr_int("pre_epilogue")?;
-                let act = match call.attr_int("pre_act")? {
-                    0 => Activation::None,
-                    1 => Activation::Relu,
-                    3 => Activation::Gelu,
-                    a => return Err(Error::Invalid(format!("attention: unknown pre_act {a}"))),
-                };
+                let act = Activation::from_call(call, "pre_act")?;
                 if flags & !2 != 0 {
                     return Err(Error::Invalid(format!(
                         "attention: the linear before it takes a bias at most, not epilogue {flags}"

@@ -21,6 +21,7 @@
 //! `empty_strided`, cheaper than tch's `empty`).
 #![allow(unsafe_code)]
 
+use crate::backend::xla::pjrt::ffi::Call;
 use crate::error::{Error, Result};
 use std::ffi::{c_char, c_void};
 use tch::Tensor;
@@ -163,6 +164,31 @@ pub(crate) enum Activation {
 }
 
 impl Activation {
+    /// The code a kernel call's activation attribute carries (a clamp's bounds go in the
+    /// attributes `lo` and `hi`); read back by [`Activation::from_call`].
+    pub(crate) fn code(&self) -> i64 {
+        match self {
+            Activation::None => 0,
+            Activation::Relu => 1,
+            Activation::Clamp(..) => 2,
+            Activation::Gelu => 3,
+        }
+    }
+
+    /// The activation a kernel call's attribute `name` names (see [`Activation::code`]).
+    pub(crate) fn from_call(call: &Call<'_>, name: &str) -> Result<Activation> {
+        match call.attr_int(name)? {
+            0 => Ok(Activation::None),
+            1 => Ok(Activation::Relu),
+            2 => Ok(Activation::Clamp(
+                call.attr_f64("lo")?,
+                call.attr_f64("hi")?,
+            )),
+            3 => Ok(Activation::Gelu),
+            a => Err(Error::Invalid(format!("unknown activation {a} ({name})"))),
+        }
+    }
+
     /// The pointwise op's `attr`, scalars and algorithm.
     fn attr(
         &self,

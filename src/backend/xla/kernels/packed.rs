@@ -456,12 +456,11 @@ pub(crate) fn lowering(g: &Graph, id: NodeId, p: &PackedConv) -> FfiLowering {
         operands.push(s);
         nhwc_operands.push(false);
     }
-    let (act, lo, hi) = match p.act {
-        Activation::None => (0, 0.0, 0.0),
-        Activation::Relu => (1, 0.0, 0.0),
-        Activation::Clamp(lo, hi) => (2, lo, hi),
-        Activation::Gelu => (3, 0.0, 0.0),
+    let (lo, hi) = match p.act {
+        Activation::Clamp(lo, hi) => (lo, hi),
+        _ => (0.0, 0.0),
     };
+    let act = p.act.code();
     let ints = |v: &[i64]| {
         let s: Vec<String> = v.iter().map(i64::to_string).collect();
         format!("array<i64: {}>", s.join(", "))
@@ -530,13 +529,7 @@ impl FfiKernel for PackedConvKernel {
         let flags = call.attr_int("epilogue")?;
         let nsources = usize::try_from(call.attr_int("sources")?)
             .map_err(|_| Error::Invalid("attribute sources < 0".into()))?;
-        let act = match call.attr_int("act")? {
-            0 => Activation::None,
-            1 => Activation::Relu,
-            2 => Activation::Clamp(call.attr_f64("lo")?, call.attr_f64("hi")?),
-            3 => Activation::Gelu,
-            a => return Err(Error::Invalid(format!("unknown activation {a}"))),
-        };
+        let act = Activation::from_call(call, "act")?;
         let pair = |name: &str| -> Result<[i64; 2]> {
             match call.attr_ints(name)? {
                 &[a, b] if a >= 0 && b >= 0 => Ok([a, b]),

@@ -291,12 +291,6 @@ pub(crate) fn lowering(g: &Graph, id: NodeId, p: &PackedLinear) -> FfiLowering {
     if id != p.tail {
         return FfiLowering::Absorbed;
     }
-    let code = |a: Activation| match a {
-        Activation::None => 0,
-        Activation::Relu => 1,
-        Activation::Gelu => 3,
-        Activation::Clamp(..) => 2,
-    };
     // The first linear of a pair: its input, weight and bias come first.
     let mut operands = Vec::new();
     let (mut pre_act, mut pre_flags) = (0, -1);
@@ -307,7 +301,7 @@ pub(crate) fn lowering(g: &Graph, id: NodeId, p: &PackedLinear) -> FfiLowering {
             pre_flags |= 2;
             operands.push(b);
         }
-        pre_act = code(a.act);
+        pre_act = a.act.code();
         operands.push(p.weight);
     } else {
         operands.extend([p.x, p.weight]);
@@ -319,7 +313,7 @@ pub(crate) fn lowering(g: &Graph, id: NodeId, p: &PackedLinear) -> FfiLowering {
             operands.push(o);
         }
     }
-    let act = code(p.act);
+    let act = p.act.code();
     let config = format!(
         "act = {act} : i64, epilogue = {flags} : i64, pre_act = {pre_act} : i64, pre_epilogue = {pre_flags} : i64"
     );
@@ -348,12 +342,7 @@ impl FfiKernel for PackedLinearKernel {
     const TARGET: &'static str = PACKED_LINEAR_TARGET;
 
     fn run(call: &Call<'_>) -> Result<()> {
-        let act_of = |name: &str| match call.attr_int(name)? {
-            0 => Ok(Activation::None),
-            1 => Ok(Activation::Relu),
-            3 => Ok(Activation::Gelu),
-            a => Err(Error::Invalid(format!("unknown activation {a} ({name})"))),
-        };
+        let act_of = |name: &str| Activation::from_call(call, name);
         let (flags, act) = (call.attr_int("epilogue")?, act_of("act")?);
         let (pre_flags, pre_act) = (call.attr_int("pre_epilogue")?, act_of("pre_act")?);
         let paired = pre_flags >= 0;
