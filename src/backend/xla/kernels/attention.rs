@@ -42,11 +42,11 @@ use crate::backend::xla::pjrt::handoff;
 use crate::error::{Error, Result};
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, ReduceKind, UnaryOp};
 
-use super::onednn::{self, Activation};
+use super::onednn::Activation;
 use super::packed::{single_user, splat};
-use super::packed_linear::{packed_linear_chain_of, PackedLinear};
+use super::packed_linear::{packed_linear_chain_of, packed_product, weight_key, PackedLinear};
 use super::view::{self, StridedView};
-use super::weights::{self, WeightKey};
+use super::weights::WeightKey;
 use super::FfiLowering;
 
 /// The custom call target of the attention kernel.
@@ -528,10 +528,7 @@ impl FfiKernel for AttentionKernel {
                         bb.as_ref().map(|b| b.dims)
                     )));
                 }
-                let key = WeightKey {
-                    digest: super::packed_linear::weight_digest(wd[1], wd[0]),
-                    sources: [call.arg_address(1)?].into_iter().collect(),
-                };
+                let key = weight_key(call, 1, wd[1], wd[0])?;
                 Source::Linear {
                     xb,
                     wb,
@@ -615,11 +612,8 @@ impl FfiKernel for AttentionKernel {
                 } => {
                     let (n, k) = (wb.dims[0], wb.dims[1]);
                     let m = xb.dims.iter().product::<i64>() / k.max(1);
-                    let packed =
-                        weights::get_or_pack(key, || onednn::pack_linear_weight(&wb.tensor()?))?;
-                    let bias = bb.as_ref().map(|b| b.tensor()).transpose()?;
                     let x = xb.tensor()?.f_reshape([m, k])?;
-                    let y = onednn::linear_pointwise(&x, &packed, bias.as_ref(), None, *act)?;
+                    let y = packed_product(&x, wb, key, bb.as_ref(), None, *act)?;
                     let open = |v: &Option<StridedView>| -> Result<tch::Tensor> {
                         let v = v
                             .as_ref()

@@ -461,10 +461,7 @@ pub(crate) fn lowering(g: &Graph, id: NodeId, p: &PackedConv) -> FfiLowering {
         _ => (0.0, 0.0),
     };
     let act = p.act.code();
-    let ints = |v: &[i64]| {
-        let s: Vec<String> = v.iter().map(i64::to_string).collect();
-        format!("array<i64: {}>", s.join(", "))
-    };
+    let ints = |v: &[i64]| super::mlir::i64_array(v.iter().copied());
     let padding: Vec<i64> = c.padding.iter().map(|&(l, _)| l).collect();
     let strides: Vec<i64> = c.strides.iter().map(|&s| s as i64).collect();
     let dilation: Vec<i64> = c.rhs_dilation.iter().map(|&d| d as i64).collect();

@@ -329,10 +329,30 @@ pub(crate) fn lowering(g: &Graph, id: NodeId, p: &PackedLinear) -> FfiLowering {
     }
 }
 
-/// The packed-weight cache's digest of a `[n, k]` linear weight (with the variable's
-/// address, its key; the attention call running its input projection uses it too).
-pub(crate) fn weight_digest(k: i64, n: i64) -> u64 {
-    0x6c69_6e65_6172_0001 ^ ((k as u64) << 20) ^ (n as u64)
+/// The packed-weight cache's key of the `[n, k]` linear weight that is operand `at` of
+/// `call` (its address and a digest of its dims).
+pub(crate) fn weight_key(call: &Call<'_>, at: usize, k: i64, n: i64) -> Result<WeightKey> {
+    Ok(WeightKey {
+        digest: 0x6c69_6e65_6172_0001 ^ ((k as u64) << 20) ^ (n as u64),
+        sources: [call.arg_address(at)?].into_iter().collect(),
+    })
+}
+
+/// `act(x · Wᵀ + bias [+ other])` by oneDNN for `x` `[m, k]`, with the weight `wb` packed once
+/// and kept under `key` (see [`weight_key`]). The result is libtorch's `[m, n]` tensor. Every
+/// packed linear runs this: the packed linear's call, a pair's first product, and the
+/// attention call's input projection.
+pub(crate) fn packed_product(
+    x: &tch::Tensor,
+    wb: &BufferRef<'_>,
+    key: &WeightKey,
+    bias: Option<&BufferRef<'_>>,
+    other: Option<&tch::Tensor>,
+    act: Activation,
+) -> Result<tch::Tensor> {
+    let packed = weights::get_or_pack(key, || onednn::pack_linear_weight(&wb.tensor()?))?;
+    let bias = bias.map(|b| b.tensor()).transpose()?;
+    onednn::linear_pointwise(x, &packed, bias.as_ref(), other, act)
 }
 
 /// The packed linear kernel ([`PACKED_LINEAR_TARGET`]).
@@ -424,14 +444,8 @@ impl FfiKernel for PackedLinearKernel {
         if dtypes.iter().flatten().any(|b| b.dtype != DType::F32) {
             return Err(bad("f32 only"));
         }
-        let key = |at: usize, k: i64, n: i64| -> Result<WeightKey> {
-            Ok(WeightKey {
-                digest: weight_digest(k, n),
-                sources: [call.arg_address(at)?].into_iter().collect(),
-            })
-        };
-        let key0 = w0_index.map(|i| key(i, k0, k)).transpose()?;
-        let key1 = key(w_index, k, n)?;
+        let key0 = w0_index.map(|i| weight_key(call, i, k0, k)).transpose()?;
+        let key1 = weight_key(call, w_index, k, n)?;
         let m: i64 = xd[..r - 1].iter().product();
         let first = if paired {
             2.0 * (m * k) as f64 * k0 as f64
@@ -445,20 +459,15 @@ impl FfiKernel for PackedLinearKernel {
             // The pair's first product: its result stays libtorch's tensor.
             let x = match (&key0, &w0b) {
                 (Some(key0), Some(w0b)) => {
-                    let packed =
-                        weights::get_or_pack(key0, || onednn::pack_linear_weight(&w0b.tensor()?))?;
-                    let b0 = b0b.as_ref().map(|b| b.tensor()).transpose()?;
-                    onednn::linear_pointwise(&x, &packed, b0.as_ref(), None, pre_act)?
+                    packed_product(&x, w0b, key0, b0b.as_ref(), None, pre_act)?
                 }
                 _ => x,
             };
-            let packed = weights::get_or_pack(&key1, || onednn::pack_linear_weight(&wb.tensor()?))?;
-            let b = bias.as_ref().map(|b| b.tensor()).transpose()?;
             let o = residual
                 .as_ref()
                 .map(|o| o.tensor().and_then(|t| Ok(t.f_reshape([m, n])?)))
                 .transpose()?;
-            let y = onednn::linear_pointwise(&x, &packed, b.as_ref(), o.as_ref(), act)?;
+            let y = packed_product(&x, &wb, &key1, bias.as_ref(), o.as_ref(), act)?;
             ob.tensor()?.f_reshape([m, n])?.f_copy_(&y)?;
             Ok(())
         })
