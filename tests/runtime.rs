@@ -64,6 +64,46 @@ fn parameters_stay_on_the_device() -> kiln::Result<()> {
     Ok(())
 }
 
+/// A call reads its inputs' current values, also where it keeps an input's buffer for the
+/// next call with the same tensor: values changed in place between calls (through libtorch),
+/// and a new tensor where a dropped one was, are read anew. Each result is compared with the
+/// same function's result on a fresh copy of the input.
+#[test]
+fn inputs_changed_between_calls_are_read_anew() -> kiln::Result<()> {
+    let (_store, m) = mlp(4)?;
+    let f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![m.forward(&xs[0])?])
+    })
+    .shared();
+    let on_copy = |t: &tch::Tensor| -> kiln::Result<Vec<f64>> {
+        f.run(&[Tensor::from_tch(t.copy())?])?
+            .remove(0)
+            .to_f64_vec()
+    };
+    let mut raw = tch::Tensor::randn([4, 10], (tch::Kind::Float, tch::Device::Cpu));
+    let x = Tensor::from_tch(raw.shallow_clone())?;
+    let mut previous = f.run(std::slice::from_ref(&x))?.remove(0).to_f64_vec()?;
+    for step in 0..3 {
+        // In place: the tensor kiln was given keeps its address.
+        let _ = raw.f_mul_scalar_(1.5)?;
+        let _ = raw.f_add_scalar_(step as f64)?;
+        let got = f.run(std::slice::from_ref(&x))?.remove(0).to_f64_vec()?;
+        assert_eq!(got, on_copy(&raw)?, "step {step}");
+        assert_ne!(got, previous, "step {step}: the old values were read");
+        previous = got;
+    }
+    // Tensors made and dropped one after another, each called once.
+    for seed in 0..4 {
+        let raw = tch::Tensor::randn([4, 10], (tch::Kind::Float, tch::Device::Cpu)) + seed;
+        let got = f
+            .run(&[Tensor::from_tch(raw.shallow_clone())?])?
+            .remove(0)
+            .to_f64_vec()?;
+        assert_eq!(got, on_copy(&raw)?, "seed {seed}");
+    }
+    Ok(())
+}
+
 /// A module with a buffer that counts calls: `count += 1` each forward (like BatchNorm's
 /// `num_batches_tracked`), plus a running sum of the input.
 struct Counter {

@@ -109,6 +109,15 @@ pub trait Backend: Send + Sync + 'static {
         self.tensor_to_device(t)
     }
 
+    /// Does `b`, lent from `t` by [`Backend::lend_to_device`], read `t`'s memory in place?
+    /// Then it holds `t`'s values whenever no execution is running, changes included, and
+    /// may serve again for the same tensor (see [`CompiledFn::run`](crate::CompiledFn::run)).
+    /// The default: no (its lend copies).
+    fn lends_in_place(&self, b: &Self::Buffer, t: &crate::Tensor) -> bool {
+        let _ = (b, t);
+        false
+    }
+
     /// Copies a buffer to the host (waits for it to be computed).
     fn to_host(&self, b: &Self::Buffer) -> Result<HostTensor>;
 

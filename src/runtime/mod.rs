@@ -134,7 +134,7 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// Counts an upload of `bytes` to every replica's device (one transfer each).
-    fn count_upload(&self, bytes: usize) {
+    pub(crate) fn count_upload(&self, bytes: usize) {
         for _ in 0..self.backend.replicas() {
             self.metrics.h2d(bytes);
         }

@@ -1226,6 +1226,16 @@ impl Backend for XlaBackend {
         self.upload_tensor(t, true)
     }
 
+    /// Where the buffer's storage is the tensor's memory (the plugin took it without a copy).
+    fn lends_in_place(&self, b: &XlaBuffer, t: &crate::Tensor) -> bool {
+        let Ok(tt) = t.as_tch() else {
+            return false;
+        };
+        b.ty == *t.ty()
+            && tt.numel() > 0
+            && b.buffer.storage_address() == Some(tt.data_ptr() as usize)
+    }
+
     fn to_host(&self, b: &XlaBuffer) -> Result<HostTensor> {
         let mut data = vec![0u8; b.ty.size_in_bytes()];
         b.buffer.to_host(&mut data)?;

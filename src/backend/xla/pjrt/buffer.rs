@@ -261,6 +261,12 @@ impl Buffer {
         }
     }
 
+    /// The address of the buffer's storage, as an identity only (nothing is read through
+    /// it); `None` where the plugin has no direct read (not a CPU plugin) or does not say.
+    pub(crate) fn storage_address(&self) -> Option<usize> {
+        self.client.direct_read.as_ref()?.address(self)
+    }
+
     /// Forgets this buffer's registration with the packed-weight cache (before it is
     /// donated: its memory is about to hold the execution's output).
     pub(crate) fn forget_weight_source(&self) {
