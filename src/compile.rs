@@ -684,28 +684,34 @@ impl<B: Backend> FnState<B> {
         // (maybe without a copy); `run_on_device` hands the execution over unfinished, so it
         // copies.
         let lend = !on_device;
-        let mut kept = if lend {
-            std::mem::take(&mut *self.lent.lock())
-        } else {
-            SmallVec::new()
-        };
-        let mut reused = SmallVec::<[bool; 4]>::new();
-        for (i, t) in inputs.iter().enumerate() {
-            let again = kept
-                .get_mut(i)
-                .and_then(Option::take)
-                .filter(|l| l.serves(t));
-            reused.push(again.is_some());
-            data.push(match again {
-                Some(l) => {
-                    // Counted as a lend is: the call reads the input's bytes.
-                    self.rt.count_upload(t.ty().size_in_bytes());
-                    l.buffer
-                }
-                None => self.rt.upload_batch(i, t, lend)?,
-            });
+        // The kept buffers serving these tensors, and their keys for `keep_lent`.
+        let mut keys = SmallVec::<[Option<(usize, TensorType)>; 4]>::new();
+        {
+            let mut lent = lend.then(|| self.lent.lock());
+            for (i, t) in inputs.iter().enumerate() {
+                let again = lent
+                    .as_mut()
+                    .and_then(|l| l.get_mut(i))
+                    .and_then(Option::take)
+                    .filter(|l| l.serves(t));
+                data.push(match again {
+                    Some(LentInput {
+                        address,
+                        ty,
+                        buffer,
+                    }) => {
+                        // Counted as a lend is: the call reads the input's bytes.
+                        self.rt.count_upload(t.ty().size_in_bytes());
+                        keys.push(Some((address, ty)));
+                        buffer
+                    }
+                    None => {
+                        keys.push(None);
+                        self.rt.upload_batch(i, t, lend)?
+                    }
+                });
+            }
         }
-        drop(kept);
         if p.uses_rng {
             let draw = self.draws.fetch_add(1, Ordering::Relaxed);
             let k = HostTensor::from_slice(&[2], &[self.seed, draw])?;
@@ -714,35 +720,49 @@ impl<B: Backend> FnState<B> {
         let plan = if on_device { &p.device_plan } else { &p.plan };
         let values = self.rt.run_plan(plan, &data)?;
         if lend && p.awaited {
-            self.keep_lent(inputs, data, &reused);
+            self.keep_lent(inputs, data, keys);
         }
         Ok((p, values))
     }
 
     /// Keeps the buffers a finished call lent from small `inputs` where they read the
-    /// tensors in place (known already where `reused`), for the next call (see
-    /// [`LentInput`]); drops the others.
-    fn keep_lent(&self, inputs: &[Tensor], data: SmallVec<[B::Buffer; 4]>, reused: &[bool]) {
+    /// tensors in place (known already where `keys` has the kept buffer's key), for the next
+    /// call (see [`LentInput`]); drops the others.
+    fn keep_lent(
+        &self,
+        inputs: &[Tensor],
+        data: SmallVec<[B::Buffer; 4]>,
+        keys: SmallVec<[Option<(usize, TensorType)>; 4]>,
+    ) {
         let backend = self.rt.backend();
         if backend.replicas() != 1 {
             return;
         }
-        let mut kept = SmallVec::<[Option<LentInput<B>>; 4]>::new();
-        for ((t, buffer), &again) in inputs.iter().zip(data).zip(reused) {
-            let keep = t.ty().size_in_bytes() <= KEPT_LENT_BYTES
-                && (again || backend.lends_in_place(&buffer, t))
-                && backend.is_donated(&buffer).ok() == Some(false);
-            let address = t.as_tch().map(|tt| tt.data_ptr() as usize);
-            kept.push(match address {
-                Ok(address) if keep => Some(LentInput {
-                    address,
-                    ty: t.ty().clone(),
-                    buffer,
-                }),
+        let mut lent = self.lent.lock();
+        lent.resize_with(inputs.len(), || None);
+        for (((t, buffer), key), slot) in inputs.iter().zip(data).zip(keys).zip(lent.iter_mut()) {
+            let key = match key {
+                Some(key) => Some(key),
+                None if t.ty().size_in_bytes() <= KEPT_LENT_BYTES
+                    && backend.lends_in_place(&buffer, t) =>
+                {
+                    t.as_tch()
+                        .ok()
+                        .map(|tt| (tt.data_ptr() as usize, t.ty().clone()))
+                }
+                None => None,
+            };
+            *slot = match key {
+                Some((address, ty)) if backend.is_donated(&buffer).ok() == Some(false) => {
+                    Some(LentInput {
+                        address,
+                        ty,
+                        buffer,
+                    })
+                }
                 _ => None,
-            });
+            };
         }
-        *self.lent.lock() = kept;
     }
 
     fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
