@@ -396,6 +396,11 @@ impl<B: Backend> CompiledFn<B> {
     /// Variables (parameters, buffers) are uploaded on first use and then stay on the device;
     /// variables the function assigns are updated there (donating the old buffer) and copied
     /// back to the [`crate::nn::ParamStore`] only by [`CompiledFn::sync_to_store`].
+    ///
+    /// The inputs are read in place where the backend can ([`Backend::lend_to_device`]). An
+    /// input of at most 64 KiB read so stays referenced (its memory allocated) until the next
+    /// call, which reads it through the same device buffer when given the same tensor again;
+    /// values changed in place between calls are read anew.
     pub fn run(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         self.inner.run(inputs)
     }
