@@ -37,7 +37,7 @@
 //! 132–272 for libtorch's attention alone.
 
 use super::{torch_lock, SERIAL_ATTR};
-use crate::backend::xla::pjrt::ffi::{BufferRef, Call, FfiKernel};
+use crate::backend::xla::pjrt::ffi::{view_fits, BufferRef, Call, FfiKernel};
 use crate::backend::xla::pjrt::handoff;
 use crate::error::{Error, Result};
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, ReduceKind, UnaryOp};
@@ -662,19 +662,10 @@ enum Source<'a> {
     },
 }
 
-/// `v` as a view of the dense tensor `y` of `numel` elements, if it lies inside it.
+/// `v` as a view of the dense tensor `y` of `numel` elements, if it is not empty and lies
+/// inside it (the check `BufferRef::tensor_view` makes of a view of a buffer).
 fn view_of(y: &tch::Tensor, numel: i64, v: &StridedView) -> Option<Result<tch::Tensor>> {
-    let inside = v.sizes.len() == v.strides.len()
-        && v.offset >= 0
-        && v.sizes.iter().all(|&s| s > 0)
-        && v.strides.iter().all(|&s| s >= 0)
-        && v.offset
-            + v.sizes
-                .iter()
-                .zip(&v.strides)
-                .map(|(&s, &t)| (s - 1) * t)
-                .sum::<i64>()
-            < numel;
+    let inside = v.sizes.iter().all(|&s| s > 0) && view_fits(v.offset, &v.sizes, &v.strides, numel);
     inside.then(|| Ok(y.f_as_strided(&v.sizes, &v.strides, Some(v.offset))?))
 }
 

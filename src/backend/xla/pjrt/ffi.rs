@@ -624,19 +624,7 @@ impl BufferRef<'_> {
     /// the query, key and value inside a fused projection's result).
     pub fn tensor_view(&self, offset: i64, sizes: &[i64], strides: &[i64]) -> Result<tch::Tensor> {
         let numel: i64 = self.dims.iter().product();
-        let inside = sizes.len() == strides.len()
-            && offset >= 0
-            && sizes.iter().all(|&s| s >= 0)
-            && strides.iter().all(|&s| s >= 0)
-            && (sizes.contains(&0)
-                || offset
-                    + sizes
-                        .iter()
-                        .zip(strides)
-                        .map(|(&s, &t)| (s - 1) * t)
-                        .sum::<i64>()
-                    < numel);
-        if !inside {
+        if !view_fits(offset, sizes, strides, numel) {
             return Err(Error::Invalid(format!(
                 "a view at offset {offset} of sizes {sizes:?} and strides {strides:?} does not fit a buffer of {:?}",
                 self.dims
@@ -675,6 +663,23 @@ impl BufferRef<'_> {
         }?;
         Ok(t)
     }
+}
+
+/// Does the view at `offset` of `sizes` and `strides` (as many of each, none negative) read
+/// only elements `0..numel` of a dense array? An empty view (a size 0) reads nothing: it fits.
+pub(crate) fn view_fits(offset: i64, sizes: &[i64], strides: &[i64], numel: i64) -> bool {
+    sizes.len() == strides.len()
+        && offset >= 0
+        && sizes.iter().all(|&s| s >= 0)
+        && strides.iter().all(|&s| s >= 0)
+        && (sizes.contains(&0)
+            || offset
+                + sizes
+                    .iter()
+                    .zip(strides)
+                    .map(|(&s, &t)| (s - 1) * t)
+                    .sum::<i64>()
+                < numel)
 }
 
 #[cfg(test)]
