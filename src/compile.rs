@@ -4,7 +4,7 @@ use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::inspect::Inspection;
 use crate::ir::{Fingerprint, Graph, InputKind, TensorType};
-use crate::passes::{dedup_outputs, simplify, OutputSource};
+use crate::passes::{dedup_outputs, simplify, OutputSource, Pass, StripStopGradients};
 use crate::runtime::exec::{Arg, Dest, Plan, Step, Values};
 use crate::runtime::{DeviceOutputs, DeviceResult, Runtime, Stats};
 use crate::trace::{trace, var_input, Binding, LatestTraces, Retrace, Tensor, Traced};
@@ -67,6 +67,8 @@ impl Program {
             num_outputs,
             state_updates,
         } = traced;
+        // Nothing differentiates this graph.
+        StripStopGradients.run(&mut graph)?;
         simplify(&mut graph)?;
         // Drop inputs nothing uses, except the caller's data inputs (their positions are the
         // function's signature).

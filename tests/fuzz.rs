@@ -89,6 +89,7 @@ enum Kind {
     ScatterAdd,
     AllReduce(ReduceKind),
     Barrier,
+    StopGradient,
 }
 
 /// The kind of an op. Exhaustive: a new `Op` variant does not compile here until it has a
@@ -119,6 +120,7 @@ fn kind_of(op: &Op) -> Kind {
         Op::ScatterAdd { .. } => Kind::ScatterAdd,
         Op::AllReduce(r) => Kind::AllReduce(*r),
         Op::Barrier => Kind::Barrier,
+        Op::StopGradient => Kind::StopGradient,
     }
 }
 
@@ -236,7 +238,8 @@ fn all_kinds() -> Vec<Kind> {
                     .get(REDUCE.iter().position(|&x| x == r).unwrap() + 1)
                     .map_or(Kind::Barrier, |&r| Kind::AllReduce(r)),
             ),
-            Kind::Barrier => None,
+            Kind::Barrier => Some(Kind::StopGradient),
+            Kind::StopGradient => None,
         };
     }
     v
@@ -755,6 +758,11 @@ impl Gen {
                 let c = self.operand_where(|_| true, 0, 2);
                 (Op::Barrier, vec![a, b, c])
             }
+            // The operand's value (gradients are not fuzzed).
+            Kind::StopGradient => {
+                let a = self.operand_where(|_| true, 0, 3);
+                (Op::StopGradient, vec![a])
+            }
         }
     }
 
@@ -921,7 +929,8 @@ fn tolerance(op: &Op, operand_types: &[&TensorType]) -> Tol {
         | Op::Reverse(_)
         | Op::Take { .. }
         | Op::AllReduce(_)
-        | Op::Barrier => Tol::Exact,
+        | Op::Barrier
+        | Op::StopGradient => Tol::Exact,
         Op::Unary(u) => match u {
             UnaryOp::Neg
             | UnaryOp::Abs

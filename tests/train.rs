@@ -445,6 +445,54 @@ fn the_backward_pass_reads_the_values_the_forward_pass_read() -> kiln::Result<()
     Ok(())
 }
 
+/// A detached value is a constant to autograd, traced as eagerly: `y · detach(y)` and
+/// `(p - detach(2p))²` give libtorch's gradients (`x·y` and `-2p`, not `2x·y` and `2p`), and
+/// a parameter detached in the trace is read anew at every step (its value at trace time
+/// would leave the second term's gradient wrong from the second step on).
+#[test]
+fn detach_stops_gradients_as_eagerly() -> kiln::Result<()> {
+    fn loss(p: &Tensor, x: &Tensor) -> kiln::Result<Tensor> {
+        let y = p.mul(x)?;
+        let a = y.mul(&y.detach()?)?.sum_all()?;
+        let b = p.sub(&p.detach()?.mul_scalar(2.0)?)?.square()?.sum_all()?;
+        a.add(&b)
+    }
+    let init = Init::Normal {
+        mean: 0.0,
+        std: 1.0,
+    };
+    let x = Tensor::randn(&[5], 3)?;
+    let eager_store = ParamStore::with_seed(7);
+    let ep = eager_store.root().param("p", &[5], init)?;
+    let mut eager =
+        EagerTrainStep::new(&eager_store, Sgd::new(), move |xs| loss(&ep, &xs[0]))?.with_lr(0.1);
+    for _ in 0..3 {
+        eager.step(std::slice::from_ref(&x))?;
+    }
+    let want = eager_store.get("p").unwrap().to_f64_vec()?;
+    for mode in [TrainMode::Split, TrainMode::Fused] {
+        let store = ParamStore::with_seed(7);
+        let p = store.root().param("p", &[5], init)?;
+        let before = p.to_f64_vec()?;
+        let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
+            loss(&p, &xs[0])
+        })?
+        .with_mode(mode)
+        .with_lr(0.1);
+        for _ in 0..3 {
+            step.step(std::slice::from_ref(&x))?;
+        }
+        step.sync_to_store()?;
+        let got = store.get("p").unwrap().to_f64_vec()?;
+        assert!(rel_err_l2(&got, &before) > 0.1, "{mode:?}: {got:?}");
+        assert!(
+            rel_err_l2(&got, &want) < 1e-5,
+            "{mode:?}: {got:?} vs {want:?}"
+        );
+    }
+    Ok(())
+}
+
 /// A train step is `Send`: built here, driven on another thread, it trains exactly as here.
 #[test]
 fn a_train_step_moves_to_another_thread() -> kiln::Result<()> {

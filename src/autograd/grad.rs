@@ -4,7 +4,7 @@ use super::builder::Builder;
 use super::rules::vjp;
 use crate::error::{Error, Result};
 use crate::ir::{Graph, InputKind, NodeId, Op};
-use crate::passes::simplify;
+use crate::passes::{simplify, Pass, StripStopGradients};
 use std::collections::{HashMap, HashSet};
 
 /// Differentiates `graph`'s output `loss` (a scalar, f32/f64) w.r.t. the inputs `wrt`.
@@ -51,11 +51,15 @@ pub fn joint(graph: &Graph, loss: usize, wrt: &[usize]) -> Result<Graph> {
     let ct_in = g.add_input(InputKind::Cotangent, "loss.cotangent", lty);
     let order = graph.topo_order();
 
-    // Active values: float values that depend on a `wrt` input.
+    // Active values: float values that depend on a `wrt` input other than through a
+    // stop-gradient.
     let mut active: HashSet<NodeId> = wrt_nodes.iter().copied().collect();
     for &id in &order {
         let n = graph.node(id);
-        if n.ty.dtype.is_float() && n.operands.iter().any(|o| active.contains(o)) {
+        if n.ty.dtype.is_float()
+            && n.op != Op::StopGradient
+            && n.operands.iter().any(|o| active.contains(o))
+        {
             active.insert(id);
         }
     }
@@ -107,6 +111,7 @@ pub fn joint(graph: &Graph, loss: usize, wrt: &[usize]) -> Result<Graph> {
         outputs.push(d);
     }
     g.set_outputs(outputs)?;
+    StripStopGradients.run(&mut g)?;
     simplify(&mut g)?;
     g.verify()?;
     Ok(g)

@@ -331,6 +331,8 @@ pub fn vjp(g: &mut Graph, node: NodeId, ct: NodeId, needs: &[bool]) -> Result<Ve
         Op::Barrier => (0..ops.len())
             .map(|i| (i == 0 && need(0)).then_some(ct))
             .collect(),
+        // The operand is a constant as far as gradients go.
+        Op::StopGradient => none,
         Op::AllReduce(kind @ (ReduceKind::Max | ReduceKind::Min)) => {
             return Err(Error::Unsupported {
                 backend: "autograd".into(),

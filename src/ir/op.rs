@@ -544,6 +544,11 @@ pub enum Op {
     /// reads the weight, is unordered with the update, and XLA copies the weight on entry.
     /// Result type is operand 0's.
     Barrier,
+    /// The operand's value, through which no gradient flows (JAX's `stop_gradient`, what a
+    /// traced [`Tensor::detach`](crate::Tensor::detach) records): autograd treats the result
+    /// as a constant. An identity everywhere else; [`crate::passes::StripStopGradients`]
+    /// removes it once a graph is differentiated, so backends rarely see one.
+    StopGradient,
 }
 
 impl Op {
@@ -583,7 +588,8 @@ impl Op {
             | Op::Pad { .. }
             | Op::Concat { .. }
             | Op::Constant(_)
-            | Op::Iota { .. } => true,
+            | Op::Iota { .. }
+            | Op::StopGradient => true,
             Op::Input(_)
             | Op::DotGeneral(_)
             | Op::Reduce { .. }
@@ -624,6 +630,7 @@ impl Op {
             Op::ScatterAdd { .. } => "scatter_add",
             Op::AllReduce(_) => "all_reduce",
             Op::Barrier => "barrier",
+            Op::StopGradient => "stop_gradient",
         }
     }
 
@@ -934,6 +941,10 @@ impl Op {
                 Some(t) => Ok((*t).clone()),
                 None => err("needs at least one operand".into()),
             },
+            Op::StopGradient => {
+                arity(1)?;
+                Ok(operands[0].clone())
+            }
         }
     }
 }

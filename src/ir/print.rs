@@ -65,7 +65,7 @@ pub fn op_attrs(op: &Op) -> String {
         ),
         Op::Take { axis } | Op::ScatterAdd { axis } => format!("axis={axis}"),
         Op::AllReduce(kind) => kind.name().to_string(),
-        Op::Barrier => String::new(),
+        Op::Barrier | Op::StopGradient => String::new(),
     }
 }
 

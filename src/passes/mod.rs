@@ -8,6 +8,7 @@ mod dce;
 mod dedup;
 mod im2col;
 mod scatter;
+mod stop_gradient;
 mod widen;
 
 pub use barrier::StripBarriers;
@@ -17,6 +18,7 @@ pub use dce::Dce;
 pub use dedup::{dedup_outputs, OutputSource};
 pub use im2col::{im2col, im2col_graph, im2col_nodes, is_full_window, Im2col};
 pub use scatter::ScaleScatterUpdates;
+pub use stop_gradient::StripStopGradients;
 pub use widen::WidenHalf;
 
 use crate::error::Result;

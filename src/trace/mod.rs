@@ -294,11 +294,16 @@ impl Tensor {
         Ok(v[0])
     }
 
-    /// A copy without autograd history (eager), or the same value (traced).
+    /// The same value without gradient history: eagerly libtorch's `detach` (sharing the
+    /// memory); in a trace an [`Op::StopGradient`](crate::ir::Op::StopGradient), so that
+    /// kiln's autograd treats it as a constant, as libtorch's does. A parameter detached in a
+    /// trace stays the graph's input (read anew at every call), not its value at trace time.
     pub fn detach(&self) -> Result<Tensor> {
         match &self.repr {
-            Repr::Eager { t, .. } => Ok(Tensor::from_tch_typed(t.detach(), self.ty.dtype)),
-            Repr::Traced { .. } => Ok(self.clone()),
+            Repr::Eager { t, .. } if !context::is_tracing() => {
+                Ok(Tensor::from_tch_typed(t.detach(), self.ty.dtype))
+            }
+            _ => apply(Op::StopGradient, &[self]),
         }
     }
 

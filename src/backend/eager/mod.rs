@@ -156,6 +156,7 @@ pub fn eval_op(
         Op::AllReduce(_) => args[0].f_contiguous()?.copy(),
         // An ordering for the compiler; eagerly, every operand is computed already.
         Op::Barrier => args[0].shallow_clone(),
+        Op::StopGradient => args[0].detach(),
         // Nothing to gather (the type rule rejects a non-empty result from an empty axis).
         Op::Take { .. } if out.shape.numel() == 0 => {
             Tensor::f_zeros(out.shape.to_i64(), (kind_of(out.dtype), tch::Device::Cpu))?

@@ -868,6 +868,11 @@ impl<'g> Emitter<'g> {
             }
             Lowering::ScatterAdd(axis) => self.scatter_add(&res, axis, &args, n),
             Lowering::AllReduce(kind) => self.all_reduce(&res, kind, &args[0], n),
+            Lowering::Identity => {
+                let value = self.name(n.operands[0]).to_string();
+                self.names.insert(id, value);
+                return;
+            }
             Lowering::Barrier if !self.ffi.orders() => {
                 let value = self.name(n.operands[0]).to_string();
                 self.names.insert(id, value);
@@ -913,6 +918,8 @@ enum Lowering<'g> {
     AllReduce(ReduceKind),
     /// `stablehlo.optimization_barrier` over all operands; the node is its first result.
     Barrier,
+    /// The operand's value itself: nothing is emitted.
+    Identity,
 }
 
 /// The lowering table: for each op, the StableHLO op and attributes it becomes, or which
@@ -992,6 +999,7 @@ fn lowering<'g>(g: &Graph, n: &'g Node) -> Lowering<'g> {
         Op::ScatterAdd { axis } => Lowering::ScatterAdd(*axis),
         Op::AllReduce(kind) => Lowering::AllReduce(*kind),
         Op::Barrier => Lowering::Barrier,
+        Op::StopGradient => Lowering::Identity,
     }
 }
 

@@ -25,7 +25,9 @@ pub use replicated::{Replicated, ReplicatedBuffer};
 use crate::backend::{Backend, HostTensor};
 use crate::error::{Error, Result};
 use crate::ir::{DType, Fingerprint, Graph, InputKind, NodeId, TensorType};
-use crate::passes::{im2col_nodes, Pass, ScaleScatterUpdates, StripBarriers, WidenHalf};
+use crate::passes::{
+    im2col_nodes, Pass, ScaleScatterUpdates, StripBarriers, StripStopGradients, WidenHalf,
+};
 use autotune::{Caps, GraphChoice, Source, Tuner, Variant};
 use parking_lot::Mutex;
 use pjrt::handoff::TeamUse;
@@ -538,10 +540,17 @@ impl XlaBackend {
     /// [`Lowering::Ffi`] (see [`XlaBackend::choices`]).
     pub fn lower(&self, graph: &Graph) -> Result<String> {
         let barrier = |id| graph.node(id).op == crate::ir::Op::Barrier;
-        if !self.has_kernels() && graph.petgraph().node_indices().any(barrier) {
-            // As `rewrite` does: the ordering call is one of the kernels.
+        let stop = |id| graph.node(id).op == crate::ir::Op::StopGradient;
+        if !self.has_kernels() && graph.petgraph().node_indices().any(barrier)
+            || graph.petgraph().node_indices().any(stop)
+        {
+            // As `rewrite` does: the ordering call is one of the kernels, and the kernels'
+            // patterns are written over graphs without stop-gradients.
             let mut g = graph.clone();
-            StripBarriers.run(&mut g)?;
+            if !self.has_kernels() {
+                StripBarriers.run(&mut g)?;
+            }
+            StripStopGradients.run(&mut g)?;
             return self.lower(&g);
         }
         let tuning = self.autotuning();
@@ -1121,6 +1130,9 @@ impl Backend for XlaBackend {
     }
 
     fn rewrite(&self, graph: &mut Graph) -> Result<()> {
+        // Graphs reach the backend differentiated (or never to be): a stop-gradient is the
+        // identity, and the kernels' patterns (a softmax's maximum) are written without them.
+        StripStopGradients.run(graph)?;
         WidenHalf.run(graph)?;
         // Lets XLA update an embedding in place under plain SGD (see the pass).
         ScaleScatterUpdates.run(graph)?;
