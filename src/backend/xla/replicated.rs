@@ -71,9 +71,10 @@ impl XlaBackend {
         let ids = self.client().addressable_device_ids()?;
         let devices = ids.as_ref().map(|ids| &ids[..replicas]);
         Ok(Replicated {
-            option_bytes: super::reductions::CompileOptionBytes::new(self.options(), |o| {
-                pjrt::compile_options_bytes_for(replicas, devices, o)
-            }),
+            option_bytes: super::reductions::CompileOptionBytes::new(
+                &self.options().on_platform(self.platform()),
+                |o| pjrt::compile_options_bytes_for(replicas, devices, o),
+            ),
             base: self.clone(),
             replicas,
         })
