@@ -294,11 +294,14 @@ impl XlaOptions {
     /// weights are new buffers each step. In vit's fused training step (`perf`, 60 steps)
     /// XNNPACK's weight packing (`xnn_pack_f32_gemm_gio_w`) took 13.6 % of all samples
     /// against 20.7 % in its matrix kernel. One process alternating blocks of 3 steps, 10
-    /// rounds, median ms, XNNPACK on / off (eager in the same rounds), 2-vCPU AMD EPYC Zen 4:
-    /// vit fused 58.6 / 48.9 (56.6), split 51.8 / 46.4 (46.7); bert fused 67.9 / 51.7
-    /// (90.4), split 66.5 / 65.0 (112.8); mobilenet_v2 fused 37.2 / 34.4, squeezenet1_1
-    /// 14.7 / 12.9, resnet18 72.6 / 72.8. Inference, blocks of 3 calls: bert 12.56 / 12.37,
-    /// vit 13.50 / 13.01, resnet18 14.65 / 14.26, mobilenet_v2 5.77 / 5.73.
+    /// rounds, median ms, XNNPACK on / off, 2-vCPU AMD EPYC Zen 4; "on" timed first in each
+    /// round: vit fused 58.6 / 48.9, split 51.8 / 46.4; bert fused 67.9 / 51.7, split 66.5 /
+    /// 65.0; mobilenet_v2 fused 37.2 / 34.4, squeezenet1_1 14.7 / 12.9, resnet18 72.6 /
+    /// 72.8; "off" first (the second place in a round gains 2–8 % by itself, measured with
+    /// the same options twice): vit fused 57.5 / 50.1, split 47.5 / 47.6; bert fused 52.3 /
+    /// 43.6, split 52.9 / 53.2. So fused steps gain 13–24 %, split steps little. Inference,
+    /// "on" first, blocks of 3 calls: bert 12.56 / 12.37, vit 13.50 / 13.01, resnet18 14.65
+    /// / 14.26, mobilenet_v2 5.77 / 5.73.
     pub fn on_platform(&self, platform: &str) -> XlaOptions {
         let mut o = self.clone();
         let set = |o: &XlaOptions, name: &str| o.debug_options.iter().any(|(n, _)| n == name);
@@ -1465,7 +1468,10 @@ mod tests {
         if be.platform() == "cpu" {
             let with_xnn = be.with_options(on);
             assert_ne!(be.cache_key(), with_xnn.cache_key());
-            assert_eq!(be.cache_key(), be.with_options(XlaOptions::default()).cache_key());
+            assert_eq!(
+                be.cache_key(),
+                be.with_options(XlaOptions::default()).cache_key()
+            );
         }
         Ok(())
     }
