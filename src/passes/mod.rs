@@ -22,7 +22,7 @@ pub use stop_gradient::StripStopGradients;
 pub use widen::WidenHalf;
 
 use crate::error::Result;
-use crate::ir::Graph;
+use crate::ir::{Graph, Op};
 
 /// A graph rewrite.
 pub trait Pass {
@@ -44,6 +44,21 @@ pub fn run_passes(graph: &mut Graph, passes: &[&dyn Pass], max_rounds: usize) ->
         }
     }
     Ok(())
+}
+
+/// Replaces every node whose op `is` by its first operand (for ops whose value is that
+/// operand's: an ordering barrier, a stop-gradient); returns whether any was.
+fn bypass(graph: &mut Graph, is: impl Fn(&Op) -> bool) -> Result<bool> {
+    let mut changed = false;
+    for id in graph.topo_order() {
+        if is(&graph.node(id).op) {
+            let value = graph.node(id).operands[0];
+            graph.replace_uses(id, value)?;
+            graph.remove_unused(id);
+            changed = true;
+        }
+    }
+    Ok(changed)
 }
 
 /// The standard clean-up: CSE then DCE, to a fixpoint.

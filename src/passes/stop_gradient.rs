@@ -15,16 +15,7 @@ impl Pass for StripStopGradients {
     }
 
     fn run(&self, graph: &mut Graph) -> Result<bool> {
-        let mut changed = false;
-        for id in graph.topo_order() {
-            if matches!(graph.node(id).op, Op::StopGradient) {
-                let value = graph.node(id).operands[0];
-                graph.replace_uses(id, value)?;
-                graph.remove_unused(id);
-                changed = true;
-            }
-        }
-        Ok(changed)
+        super::bypass(graph, |op| matches!(op, Op::StopGradient))
     }
 }
 
