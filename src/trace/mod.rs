@@ -295,8 +295,8 @@ impl Tensor {
     }
 
     /// The same value without gradient history: eagerly libtorch's `detach` (sharing the
-    /// memory); in a trace an [`Op::StopGradient`](crate::ir::Op::StopGradient), so that
-    /// kiln's autograd treats it as a constant, as libtorch's does. A parameter detached in a
+    /// memory); in a trace an [`Op::StopGradient`], so that kiln's autograd treats it as a
+    /// constant, as libtorch's does. A parameter detached in a
     /// trace stays the graph's input (read anew at every call), not its value at trace time.
     pub fn detach(&self) -> Result<Tensor> {
         match &self.repr {
