@@ -368,3 +368,35 @@ fn inputs_changed_in_place_between_calls() {
     assert_eq!(x.to_f64_vec().unwrap(), vec![4.0, 5.0, 6.0]);
     assert_eq!(f.stats().compiles, 1);
 }
+
+/// A detached input or parameter returned as it is, and computed with: a compiled function
+/// gives the values eager gives (the stop-gradient leaves the graph before the backend; an
+/// output that is then an input is passed through), on both backends.
+#[test]
+fn detached_values_compile_as_the_values() -> kiln::Result<()> {
+    let store = kiln::nn::ParamStore::with_seed(3);
+    let p = store.root().param("p", &[4], kiln::nn::Init::Const(1.5))?;
+    let x = Tensor::randn(&[4], 9)?;
+    let f = |xs: &[Tensor], p: &Tensor| -> kiln::Result<Vec<Tensor>> {
+        let d = xs[0].detach()?;
+        Ok(vec![d.clone(), d.mul(&p.detach()?)?, p.detach()?])
+    };
+    let want: Vec<Vec<f64>> = f(std::slice::from_ref(&x), &p)?
+        .iter()
+        .map(|t| t.to_f64_vec())
+        .collect::<kiln::Result<_>>()?;
+    let (p1, p2) = (p.clone(), p.clone());
+    let mut on_xla = compile(XlaBackend::new()?, move |xs: &[Tensor]| f(xs, &p1));
+    let mut on_eager = compile(EagerBackend::new(), move |xs: &[Tensor]| f(xs, &p2));
+    for got in [
+        on_xla.run(std::slice::from_ref(&x))?,
+        on_eager.run(std::slice::from_ref(&x))?,
+    ] {
+        let got: Vec<Vec<f64>> = got
+            .iter()
+            .map(|t| t.to_f64_vec())
+            .collect::<kiln::Result<_>>()?;
+        assert_eq!(got, want);
+    }
+    Ok(())
+}

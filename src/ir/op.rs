@@ -547,7 +547,8 @@ pub enum Op {
     /// The operand's value, through which no gradient flows (JAX's `stop_gradient`, what a
     /// traced [`Tensor::detach`](crate::Tensor::detach) records): autograd treats the result
     /// as a constant. An identity everywhere else; [`crate::passes::StripStopGradients`]
-    /// removes it once a graph is differentiated, so backends rarely see one.
+    /// removes it once a graph is differentiated (and from graphs `compile` does not
+    /// differentiate), so a backend sees one only in a graph handed to it directly.
     StopGradient,
 }
 

@@ -580,7 +580,7 @@ impl XlaBackend {
     pub fn lower(&self, graph: &Graph) -> Result<String> {
         let barrier = |id| graph.node(id).op == crate::ir::Op::Barrier;
         let stop = |id| graph.node(id).op == crate::ir::Op::StopGradient;
-        if !self.has_kernels() && graph.petgraph().node_indices().any(barrier)
+        if (!self.has_kernels() && graph.petgraph().node_indices().any(barrier))
             || graph.petgraph().node_indices().any(stop)
         {
             // As `rewrite` does: the ordering call is one of the kernels, and the kernels'
