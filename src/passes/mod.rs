@@ -48,7 +48,7 @@ pub fn run_passes(graph: &mut Graph, passes: &[&dyn Pass], max_rounds: usize) ->
 
 /// Replaces every node whose op `is` by its first operand (for ops whose value is that
 /// operand's: an ordering barrier, a stop-gradient); returns whether any was.
-fn bypass(graph: &mut Graph, is: impl Fn(&Op) -> bool) -> Result<bool> {
+pub(crate) fn bypass(graph: &mut Graph, is: impl Fn(&Op) -> bool) -> Result<bool> {
     let mut changed = false;
     for id in graph.topo_order() {
         if is(&graph.node(id).op) {

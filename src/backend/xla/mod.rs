@@ -304,12 +304,16 @@ impl XlaOptions {
     /// / 14.26, mobilenet_v2 5.77 / 5.73.
     pub fn on_platform(&self, platform: &str) -> XlaOptions {
         let mut o = self.clone();
-        let set = |o: &XlaOptions, name: &str| o.debug_options.iter().any(|(n, _)| n == name);
-        if platform == "cpu" && !set(&o, CPU_XNNPACK_OPTION) {
+        if platform == "cpu" && !self.sets(CPU_XNNPACK_OPTION) {
             o.debug_options
                 .insert(0, (CPU_XNNPACK_OPTION.into(), OptionValue::Bool(false)));
         }
         o
+    }
+
+    /// Do the debug options set the option `name`?
+    fn sets(&self, name: &str) -> bool {
+        self.debug_options.iter().any(|(n, _)| n == name)
     }
 
     /// The options a CPU graph whose reductions are all short rows compiles with
@@ -317,11 +321,7 @@ impl XlaOptions {
     /// unless `xla_disable_hlo_passes` is already set here (the caller's choice stands).
     pub fn flat_reduction_options(&self) -> XlaOptions {
         let mut o = self.clone();
-        if !o
-            .debug_options
-            .iter()
-            .any(|(n, _)| n == "xla_disable_hlo_passes")
-        {
+        if !self.sets("xla_disable_hlo_passes") {
             o.debug_options.push((
                 "xla_disable_hlo_passes".into(),
                 OptionValue::Str(reductions::TREE_REDUCTION_PASS.into()),
@@ -578,18 +578,21 @@ impl XlaBackend {
     /// dots become calls to kiln's libtorch kernels where their chosen lowering is
     /// [`Lowering::Ffi`] (see [`XlaBackend::choices`]).
     pub fn lower(&self, graph: &Graph) -> Result<String> {
-        let barrier = |id| graph.node(id).op == crate::ir::Op::Barrier;
-        let stop = |id| graph.node(id).op == crate::ir::Op::StopGradient;
-        if (!self.has_kernels() && graph.petgraph().node_indices().any(barrier))
-            || graph.petgraph().node_indices().any(stop)
+        // As `rewrite` does: the ordering call is one of the kernels, and the kernels'
+        // patterns are written over graphs without stop-gradients.
+        let kernels = self.has_kernels();
+        let strip = |op: &crate::ir::Op| match op {
+            crate::ir::Op::Barrier => !kernels,
+            crate::ir::Op::StopGradient => true,
+            _ => false,
+        };
+        if graph
+            .petgraph()
+            .node_indices()
+            .any(|id| strip(&graph.node(id).op))
         {
-            // As `rewrite` does: the ordering call is one of the kernels, and the kernels'
-            // patterns are written over graphs without stop-gradients.
             let mut g = graph.clone();
-            if !self.has_kernels() {
-                StripBarriers.run(&mut g)?;
-            }
-            StripStopGradients.run(&mut g)?;
+            crate::passes::bypass(&mut g, strip)?;
             return self.lower(&g);
         }
         let tuning = self.autotuning();
