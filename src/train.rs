@@ -179,6 +179,16 @@ pub struct TrainStep<B: Backend> {
     scaler: Option<Scaler>,
 }
 
+/// Dropping a step waits for its last step's device work (see [`TrainStep::synchronize`]):
+/// the values it produced, then (the runtime's own drop) the variables it updated.
+impl<B: Backend> Drop for TrainStep<B> {
+    fn drop(&mut self) {
+        if let Err(e) = self.wait_for_last_values() {
+            log::warn!("dropping a training step: waiting for its values failed: {e}");
+        }
+    }
+}
+
 impl<B: Backend> TrainStep<B> {
     /// A training step for the trainable parameters of `store`, minimising the scalar returned
     /// by `loss_fn` (which runs the model in training mode on the batch it is given).
@@ -335,7 +345,7 @@ impl<B: Backend> TrainStep<B> {
     /// Uses `cache` for executables (e.g. an on-disk [`ExecutableCache::with_dir`], or one shared
     /// with other steps). Call before the first step.
     pub fn with_cache(mut self, cache: ExecutableCache<B>) -> Self {
-        self.rt = Runtime::with_cache(self.rt.into_backend(), cache);
+        self.rt.set_cache(cache);
         self
     }
 
@@ -475,6 +485,12 @@ impl<B: Backend> TrainStep<B> {
     /// in [`TrainMode::Split`] comes out of the forward executable while the backward and
     /// optimizer executables may still run; time a step with this (one sync point).
     pub fn synchronize(&self) -> Result<()> {
+        self.wait_for_last_values()?;
+        self.rt.synchronize()
+    }
+
+    /// Waits for the values the last step produced (not the variables it updated).
+    fn wait_for_last_values(&self) -> Result<()> {
         if let Some((_, temps)) = &self.last {
             let backend = self.rt.backend();
             for b in temps.iter().flatten() {
@@ -483,7 +499,7 @@ impl<B: Backend> TrainStep<B> {
                 }
             }
         }
-        self.rt.synchronize()
+        Ok(())
     }
 
     /// Every stage of each program a step on `inputs` (their dtypes and shapes) runs, in

@@ -648,3 +648,61 @@ fn an_embedding_under_plain_sgd_is_updated_in_place_and_matches_eager() -> kiln:
     }
     Ok(())
 }
+
+/// Run by `a_process_ending_right_after_a_split_step_exits_cleanly` in a child process: a
+/// few split steps of a wide MLP (its backward takes tens of milliseconds), then the test
+/// returns and the process exits while nothing but the step's drop waits for that backward.
+#[test]
+fn exit_child_entry() -> kiln::Result<()> {
+    if std::env::var_os("KILN_TEST_EXIT_CHILD").is_none() {
+        return Ok(());
+    }
+    let store = ParamStore::with_seed(5);
+    let root = store.root();
+    let layers: Vec<Linear> = (0..6)
+        .map(|i| Linear::new(&root.sub(i), 512, 512, true))
+        .collect::<kiln::Result<_>>()?;
+    let mut step = TrainStep::new(XlaBackend::new()?, &store, Sgd::new(), move |xs| {
+        let mut h = xs[0].clone();
+        for l in &layers {
+            h = l.forward(&h)?.tanh()?;
+        }
+        h.square()?.mean_all()
+    })?
+    .with_mode(TrainMode::Split)
+    .with_lr(1e-3);
+    let x = Tensor::randn(&[512, 512], 6)?;
+    for _ in 0..3 {
+        step.step(std::slice::from_ref(&x))?;
+    }
+    println!("CHILD stepped");
+    Ok(())
+}
+
+/// A split step returns once its loss is computed, with the backward and optimizer still
+/// running; a process that ends right then (its `main` returns) must not crash. Before
+/// dropping a step waited for them, the CPU plugin's exit handlers unmapped the oneDNN code
+/// XLA's workers were running: SIGSEGV in 4 of 6 such processes (2-vCPU Zen 4). Three child
+/// processes, each of which must exit with status 0.
+#[test]
+fn a_process_ending_right_after_a_split_step_exits_cleanly() {
+    for run in 0..3 {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "exit_child_entry",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("KILN_TEST_EXIT_CHILD", "1")
+            .output()
+            .expect("spawn child");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("CHILD stepped"),
+            "child {run} ended with {:?}: {text}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
