@@ -11,7 +11,7 @@ use crate::trace::{trace, var_input, Binding, LatestTraces, Retrace, Tensor, Tra
 use parking_lot::{Mutex, RwLock};
 use smallvec::SmallVec;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -194,6 +194,10 @@ struct FnPlan<B: Backend> {
     /// Does `plan` wait for its execution (it downloads a computed result), so that nothing
     /// reads the call's inputs once it returns?
     awaited: bool,
+    /// Were `device_plan`'s results computed when its latest run returned (the backend ran
+    /// it inside the launch, [`Backend::is_computed`])? Then the next `run_on_device` lends
+    /// its inputs as `run` does.
+    device_inline: AtomicBool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -412,7 +416,12 @@ impl<B: Backend> CompiledFn<B> {
     /// [`DeviceOutputs::to_host`] fetches them, [`DeviceOutputs::synchronize`] waits for them.
     ///
     /// A loop of N calls that fetches only the last results syncs once instead of N times;
-    /// the values are those [`CompiledFn::run`] returns. One case still goes through the host
+    /// the values are those [`CompiledFn::run`] returns. The inputs are copied to the
+    /// device, as the execution may outlive the call, except where the previous call's
+    /// results were computed when it returned (the backend ran the program inside the
+    /// launch, as the CPU plugin does with a program of a few thousand flops): then they
+    /// are read in place as [`CompiledFn::run`] reads them, and a call that finds its
+    /// execution unfinished waits for it. One case still goes through the host
     /// on every call: a result that is also the new value of a variable the function assigns
     /// (`v.assign(&y)?` and `y` returned) is copied, as the next call donates the variable's
     /// buffer and the [`Backend`] trait has no device-to-device copy.
@@ -671,6 +680,7 @@ impl<B: Backend> FnState<B> {
             results,
             uses_rng,
             awaited,
+            device_inline: AtomicBool::new(false),
         })
     }
 
@@ -689,8 +699,9 @@ impl<B: Backend> FnState<B> {
         // `run` drops `data` before returning (a lent buffer's drop waits for the execution
         // reading it) or keeps it where nothing reads it any more, so its inputs are lent
         // (maybe without a copy); `run_on_device` hands the execution over unfinished, so it
-        // copies.
-        let lend = !on_device;
+        // copies, unless its latest run was done when launched (a tiny program the backend
+        // runs inside the launch): then it lends too, and waits if this run was not done.
+        let lend = !on_device || p.device_inline.load(Ordering::Relaxed);
         // The kept buffers serving these tensors, and their keys for `keep_lent`.
         let mut keys = SmallVec::<[Option<(usize, TensorType)>; 4]>::new();
         {
@@ -709,6 +720,7 @@ impl<B: Backend> FnState<B> {
                     }) => {
                         // Counted as a lend is: the call reads the input's bytes.
                         self.rt.count_upload(t.ty().size_in_bytes());
+                        self.rt.metrics().h2d_reused();
                         keys.push(Some((address, ty)));
                         buffer
                     }
@@ -725,8 +737,31 @@ impl<B: Backend> FnState<B> {
             data.push(self.rt.upload(&k)?);
         }
         let plan = if on_device { &p.device_plan } else { &p.plan };
-        let values = self.rt.run_plan(plan, &data)?;
-        if lend && p.awaited {
+        // A device run's lent inputs are not read after this call (see below), so its
+        // execution need not track its use of them (`run`'s plan decides that by itself).
+        let values = if on_device && lend {
+            self.rt.run_plan_awaited(plan, &data)?
+        } else {
+            self.rt.run_plan(plan, &data)?
+        };
+        let done = if on_device {
+            let backend = self.rt.backend();
+            // All results of the one execution are computed together; a plan without
+            // computed results (only variable updates) never counts as done.
+            let mut results = values.temps.iter().flatten().peekable();
+            let done = results.peek().is_some() && results.all(|b| backend.is_computed(b));
+            p.device_inline.store(done, Ordering::Relaxed);
+            if lend && !done {
+                // Lent inputs must not be read after this call returns.
+                for b in values.temps.iter().flatten() {
+                    backend.sync(b)?;
+                }
+            }
+            done
+        } else {
+            p.awaited
+        };
+        if lend && done {
             self.keep_lent(inputs, data, keys);
         }
         Ok((p, values))

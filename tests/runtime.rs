@@ -104,6 +104,78 @@ fn inputs_changed_between_calls_are_read_anew() -> kiln::Result<()> {
     Ok(())
 }
 
+/// `run_on_device` of a program the CPU plugin runs inside the launch (the LinearModel's
+/// size: two 10x10 linears on 2 rows, whose tiny products are kiln's own kernel) reads its
+/// inputs in place from the second call on, as `run` does, and still sees values changed in
+/// place between calls; a program the plugin runs on its pool (products of 256x256 on 256
+/// rows) keeps copying its inputs, as its results may still be computed when the call
+/// returns.
+#[test]
+fn run_on_device_reads_inputs_in_place_where_the_program_runs_inline() -> kiln::Result<()> {
+    let tiny = || -> kiln::Result<Sequential> {
+        let store = ParamStore::with_seed(8);
+        let root = store.root();
+        Ok(Sequential::new()
+            .add(Linear::new(&root.sub("0"), 10, 10, true)?)
+            .add(Relu)
+            .add(Linear::new(&root.sub("2"), 10, 10, true)?))
+    };
+    let (m, twin) = (tiny()?, tiny()?);
+    let f = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![m.forward(&xs[0])?])
+    });
+    // The same program on a copy of the input, in a function of its own.
+    let reference = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![twin.forward(&xs[0])?])
+    });
+    let on_copy = |t: &tch::Tensor| -> kiln::Result<Vec<f64>> {
+        reference
+            .run_on_device(&[Tensor::from_tch(t.copy())?])?
+            .get(0)?
+            .to_f64_vec()
+    };
+    let mut raw = tch::Tensor::randn([2, 10], (tch::Kind::Float, tch::Device::Cpu));
+    let x = Tensor::from_tch(raw.shallow_clone())?;
+    let before = f.stats();
+    let mut previous = Vec::new();
+    for step in 0..4 {
+        let _ = raw.f_mul_scalar_(1.5)?;
+        let _ = raw.f_add_scalar_(step as f64)?;
+        let got = f
+            .run_on_device(std::slice::from_ref(&x))?
+            .get(0)?
+            .to_f64_vec()?;
+        assert_eq!(got, on_copy(&raw)?, "step {step}");
+        assert_ne!(got, previous, "step {step}: the old values were read");
+        previous = got;
+    }
+    let d = f.stats().since(&before);
+    // Call 1 copies (nothing known yet), call 2 lends and keeps the buffer, calls 3 and 4
+    // reuse it.
+    assert_eq!(d.h2d_reused, 2, "{d}");
+
+    let store = ParamStore::with_seed(9);
+    let big = Linear::new(&store.root().sub("0"), 256, 256, false)?;
+    let g = compile(XlaBackend::new()?, move |xs: &[Tensor]| {
+        Ok(vec![big.forward(&big.forward(&xs[0])?.tanh()?)?])
+    });
+    let x = Tensor::randn(&[256, 256], 3)?;
+    let want = g
+        .run_on_device(std::slice::from_ref(&x))?
+        .get(0)?
+        .to_f64_vec()?;
+    let before = g.stats();
+    for _ in 0..4 {
+        let got = g
+            .run_on_device(std::slice::from_ref(&x))?
+            .get(0)?
+            .to_f64_vec()?;
+        assert_eq!(got, want);
+    }
+    assert_eq!(g.stats().since(&before).h2d_reused, 0);
+    Ok(())
+}
+
 /// A module with a buffer that counts calls: `count += 1` each forward (like BatchNorm's
 /// `num_batches_tracked`), plus a running sum of the input.
 struct Counter {

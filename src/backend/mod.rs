@@ -136,6 +136,15 @@ pub trait Backend: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Is `b` computed already (no wait)? `false` where the backend cannot tell, the default.
+    /// kiln asks it of the results of [`CompiledFn::run_on_device`](crate::CompiledFn::run_on_device)
+    /// right after the execution is launched: a program the backend ran to completion inside
+    /// the launch can read its next call's inputs in place, as [`CompiledFn::run`](crate::CompiledFn::run) does.
+    fn is_computed(&self, b: &Self::Buffer) -> bool {
+        let _ = b;
+        false
+    }
+
     /// Has `b` been consumed by an execution that donated it (its memory now belongs to an
     /// output)? Backends without donation return `false`.
     fn is_donated(&self, b: &Self::Buffer) -> Result<bool> {

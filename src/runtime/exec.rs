@@ -158,6 +158,22 @@ impl<B: Backend> Runtime<B> {
     /// A plan that writes variables holds the variable table exclusively while it runs (other
     /// runs wait); one that only reads them runs concurrently with other readers.
     pub(crate) fn run_plan(&self, plan: &Plan<B>, data: &[B::Buffer]) -> Result<Values<B>> {
+        self.run_plan_with(plan, data, false)
+    }
+
+    /// [`Runtime::run_plan`] for a caller that waits for the plan's results (or knows them
+    /// computed) before it drops any of `data`: every step runs as
+    /// [`Backend::execute_awaited`].
+    pub(crate) fn run_plan_awaited(&self, plan: &Plan<B>, data: &[B::Buffer]) -> Result<Values<B>> {
+        self.run_plan_with(plan, data, true)
+    }
+
+    fn run_plan_with(
+        &self,
+        plan: &Plan<B>,
+        data: &[B::Buffer],
+        caller_awaits: bool,
+    ) -> Result<Values<B>> {
         let mut out = Values {
             temps: (0..plan.num_temps).map(|_| None).collect(),
             hosts: vec![None; plan.num_hosts],
@@ -166,7 +182,7 @@ impl<B: Backend> Runtime<B> {
             let mut vars = self.vars.write();
             self.make_resident(&mut vars, &plan.vars)?;
             for step in &plan.steps {
-                let updates = self.run_step(step, data, &vars, &mut out)?;
+                let updates = self.run_step(step, data, &vars, &mut out, caller_awaits)?;
                 for (v, buf) in updates {
                     self.replace_resident(&mut vars, v, buf)?;
                 }
@@ -180,7 +196,10 @@ impl<B: Backend> Runtime<B> {
                 vars = parking_lot::RwLockWriteGuard::downgrade(w);
             }
             for step in &plan.steps {
-                if !self.run_step(step, data, &vars, &mut out)?.is_empty() {
+                if !self
+                    .run_step(step, data, &vars, &mut out, caller_awaits)?
+                    .is_empty()
+                {
                     return Err(Error::Internal(format!(
                         "{} updated a variable in a read-only plan",
                         step.name
@@ -198,6 +217,7 @@ impl<B: Backend> Runtime<B> {
         data: &[B::Buffer],
         vars: &super::VarTable<B::Buffer>,
         out: &mut Values<B>,
+        caller_awaits: bool,
     ) -> Result<Vec<(VarId, B::Buffer)>> {
         let Values { temps, hosts } = out;
         let (outs, mut forwarded) = {
@@ -245,10 +265,10 @@ impl<B: Backend> Runtime<B> {
             }
             // A step with a host result downloads it below, before any argument can be
             // dropped (data by the caller after the plan, replaced variables after the step).
-            let awaited = step
-                .routes
-                .iter()
-                .any(|(src, dest)| matches!((src, dest), (OutputSource::Output(_), Dest::Host(_))));
+            let awaited = caller_awaits
+                || step.routes.iter().any(|(src, dest)| {
+                    matches!((src, dest), (OutputSource::Output(_), Dest::Host(_)))
+                });
             let outs = if awaited {
                 self.execute_awaited(&step.exe, &args)?
             } else {

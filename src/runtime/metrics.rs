@@ -18,6 +18,7 @@ pub struct Metrics {
     executions: AtomicU64,
     h2d_transfers: AtomicU64,
     h2d_bytes: AtomicU64,
+    h2d_reused: AtomicU64,
     d2h_transfers: AtomicU64,
     d2h_bytes: AtomicU64,
     syncs: AtomicU64,
@@ -52,6 +53,10 @@ pub struct Stats {
     pub h2d_transfers: u64,
     /// Bytes moved host→device.
     pub h2d_bytes: u64,
+    /// Of `h2d_transfers`, those served by the device buffer kept from the previous call
+    /// with the same tensor, which reads the tensor's memory in place (no copy, no new
+    /// buffer; see [`crate::CompiledFn::run`]).
+    pub h2d_reused: u64,
     /// Device→host transfers.
     pub d2h_transfers: u64,
     /// Bytes moved device→host.
@@ -79,6 +84,7 @@ impl Stats {
             executions: self.executions - earlier.executions,
             h2d_transfers: self.h2d_transfers - earlier.h2d_transfers,
             h2d_bytes: self.h2d_bytes - earlier.h2d_bytes,
+            h2d_reused: self.h2d_reused - earlier.h2d_reused,
             d2h_transfers: self.d2h_transfers - earlier.d2h_transfers,
             d2h_bytes: self.d2h_bytes - earlier.d2h_bytes,
             syncs: self.syncs - earlier.syncs,
@@ -91,7 +97,7 @@ impl std::fmt::Display for Stats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "traces {} ({:.1} ms), compiles {} ({:.2} s), cache hits {} / misses {}, disk hits {} / writes {} / rejected {}, executions {}, h2d {} ({} B), d2h {} ({} B), syncs {}, donated {}",
+            "traces {} ({:.1} ms), compiles {} ({:.2} s), cache hits {} / misses {}, disk hits {} / writes {} / rejected {}, executions {}, h2d {} ({} B, {} reused), d2h {} ({} B), syncs {}, donated {}",
             self.traces,
             self.trace_time.as_secs_f64() * 1e3,
             self.compiles,
@@ -104,6 +110,7 @@ impl std::fmt::Display for Stats {
             self.executions,
             self.h2d_transfers,
             self.h2d_bytes,
+            self.h2d_reused,
             self.d2h_transfers,
             self.d2h_bytes,
             self.syncs,
@@ -147,6 +154,9 @@ impl Metrics {
         add(&self.h2d_transfers, 1);
         add(&self.h2d_bytes, bytes as u64);
     }
+    pub(crate) fn h2d_reused(&self) {
+        add(&self.h2d_reused, 1);
+    }
     pub(crate) fn d2h(&self, bytes: usize) {
         add(&self.d2h_transfers, 1);
         add(&self.d2h_bytes, bytes as u64);
@@ -175,6 +185,7 @@ impl Metrics {
             executions: g(&self.executions),
             h2d_transfers: g(&self.h2d_transfers),
             h2d_bytes: g(&self.h2d_bytes),
+            h2d_reused: g(&self.h2d_reused),
             d2h_transfers: g(&self.d2h_transfers),
             d2h_bytes: g(&self.d2h_bytes),
             syncs: g(&self.syncs),

@@ -1315,6 +1315,12 @@ impl Backend for XlaBackend {
         b.buffer.ready()
     }
 
+    /// The buffer's ready event, asked without waiting: the CPU plugin runs a program of few
+    /// flops on the calling thread inside `Execute`, whose results are then ready.
+    fn is_computed(&self, b: &XlaBuffer) -> bool {
+        b.buffer.is_ready_now()
+    }
+
     fn is_donated(&self, b: &XlaBuffer) -> Result<bool> {
         b.buffer.is_deleted()
     }

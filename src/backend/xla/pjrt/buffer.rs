@@ -529,7 +529,7 @@ impl Buffer {
 
     /// Whether the buffer's contents are computed, without waiting (`false` also when the
     /// plugin cannot say, or the computation failed).
-    fn is_ready_now(&self) -> bool {
+    pub(crate) fn is_ready_now(&self) -> bool {
         let api = self.client.api();
         let mut args = sys::PJRT_Buffer_ReadyEvent_Args::new();
         args.buffer = self.raw();
