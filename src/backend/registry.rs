@@ -116,6 +116,9 @@ pub trait DynDeviceOutputs {
         self.len() == 0
     }
 
+    /// Are all results computed already, without waiting ([`DeviceOutputs::is_ready`])?
+    fn is_ready(&self) -> bool;
+
     /// Waits until every result is computed ([`DeviceOutputs::synchronize`]).
     fn synchronize(&self) -> Result<()>;
 
@@ -126,6 +129,10 @@ pub trait DynDeviceOutputs {
 impl<B: Backend> DynDeviceOutputs for DeviceOutputs<'_, B> {
     fn len(&self) -> usize {
         DeviceOutputs::len(self)
+    }
+
+    fn is_ready(&self) -> bool {
+        DeviceOutputs::is_ready(self)
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -58,6 +58,14 @@ impl<'a, B: Backend> DeviceOutputs<'a, B> {
         }
     }
 
+    /// Are all results computed already (no wait)? `false` where the backend cannot tell
+    /// ([`Backend::is_computed`]). A loop that keeps many calls' results until one final
+    /// sync may drop those already computed at once.
+    pub fn is_ready(&self) -> bool {
+        let backend = self.rt.backend();
+        self.buffers.iter().all(|b| backend.is_computed(b))
+    }
+
     /// Waits until every result is computed, without copying (one sync point in the
     /// counters).
     pub fn synchronize(&self) -> Result<()> {
