@@ -746,8 +746,8 @@ impl<B: Backend> FnState<B> {
         };
         let done = if on_device {
             let backend = self.rt.backend();
-            // All results of the one execution are computed together; a plan without
-            // computed results (only variable updates) never counts as done.
+            // Done once every result is computed; a plan without computed results (only
+            // variable updates) never counts as done.
             let mut results = values.temps.iter().flatten().peekable();
             let done = results.peek().is_some() && results.all(|b| backend.is_computed(b));
             p.device_inline.store(done, Ordering::Relaxed);

@@ -491,15 +491,10 @@ impl<B: Backend> TrainStep<B> {
 
     /// Waits for the values the last step produced (not the variables it updated).
     fn wait_for_last_values(&self) -> Result<()> {
-        if let Some((_, temps)) = &self.last {
-            let backend = self.rt.backend();
-            for b in temps.iter().flatten() {
-                if !backend.is_donated(b)? {
-                    backend.sync(b)?;
-                }
-            }
+        match &self.last {
+            Some((_, temps)) => self.rt.wait_for(temps.iter().flatten()),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Every stage of each program a step on `inputs` (their dtypes and shapes) runs, in

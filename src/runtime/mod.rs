@@ -175,10 +175,21 @@ impl<B: Backend> Runtime<B> {
 
     /// [`Runtime::synchronize`] without counting a sync point.
     fn wait_for_vars(&self) -> Result<()> {
-        let vars = self.vars.read();
-        for r in vars.values() {
-            if !self.backend.is_donated(&r.buffer)? {
-                self.backend.sync(&r.buffer)?;
+        self.wait_for(self.vars.read().values().map(|r| &r.buffer))
+    }
+
+    /// Waits until each of `buffers` is computed, skipping those donated to a later
+    /// execution (whose own outputs are then the ones to wait for).
+    pub(crate) fn wait_for<'a>(
+        &self,
+        buffers: impl IntoIterator<Item = &'a B::Buffer>,
+    ) -> Result<()>
+    where
+        B::Buffer: 'a,
+    {
+        for b in buffers {
+            if !self.backend.is_donated(b)? {
+                self.backend.sync(b)?;
             }
         }
         Ok(())
