@@ -127,6 +127,13 @@ pub trait Backend: Send + Sync + 'static {
         crate::Tensor::from_host(&self.to_host(b)?)
     }
 
+    /// [`Backend::to_tensor`] of a buffer the caller gives up (an execution's result that
+    /// nothing else reads), which a backend may copy with fewer checks. The default copies
+    /// it as `to_tensor` does.
+    fn into_tensor(&self, b: Self::Buffer) -> Result<crate::Tensor> {
+        self.to_tensor(&b)
+    }
+
     /// The type of a buffer.
     fn buffer_type(&self, b: &Self::Buffer) -> Result<TensorType>;
 

@@ -276,20 +276,37 @@ impl<B: Backend> Runtime<B> {
             };
             (outs, forwarded)
         };
-        // Host values first (reading needs no ownership), then count the owners of each output.
+        // Count the device owners of each output, then download the host values: an output
+        // with no device owner is handed over to its download (which may then copy it with
+        // fewer checks).
         let mut uses: SmallVec<[usize; 8]> = smallvec::smallvec![0; outs.len()];
         for (src, dest) in &step.routes {
             if let OutputSource::Output(j) = *src {
-                let buf = outs.get(j).ok_or_else(|| {
-                    Error::Internal(format!("{} routes output {j} of {}", step.name, outs.len()))
-                })?;
-                match *dest {
-                    Dest::Host(k) => hosts[k] = Some(self.download_result(buf)?),
-                    Dest::Temp(_) | Dest::Var(_) => uses[j] += 1,
+                if j >= outs.len() {
+                    return Err(Error::Internal(format!(
+                        "{} routes output {j} of {}",
+                        step.name,
+                        outs.len()
+                    )));
+                }
+                if !matches!(dest, Dest::Host(_)) {
+                    uses[j] += 1;
                 }
             }
         }
         let mut outs: Vec<Option<B::Buffer>> = outs.into_iter().map(Some).collect();
+        for (src, dest) in &step.routes {
+            if let (OutputSource::Output(j), Dest::Host(k)) = (*src, *dest) {
+                let value = if uses[j] == 0 {
+                    outs[j].take().map(|b| self.download_result_owned(b))
+                } else {
+                    outs[j].as_ref().map(|b| self.download_result(b))
+                };
+                hosts[k] = Some(value.ok_or_else(|| {
+                    Error::Internal(format!("{}: output {j} downloaded twice", step.name))
+                })??);
+            }
+        }
         let mut updates = Vec::new();
         for (r, (src, dest)) in step.routes.iter().enumerate() {
             if matches!(dest, Dest::Host(_)) {

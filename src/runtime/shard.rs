@@ -72,6 +72,17 @@ impl<B: Backend> Runtime<B> {
         Tensor::from_host(&concat_rows(&shards)?)
     }
 
+    /// [`Runtime::download_result`] of a buffer nothing else reads
+    /// ([`Backend::into_tensor`]).
+    pub(crate) fn download_result_owned(&self, b: B::Buffer) -> Result<Tensor> {
+        if self.backend().replicas() != 1 {
+            return self.download_result(&b);
+        }
+        let t = self.backend().into_tensor(b)?;
+        self.metrics.d2h(t.ty().size_in_bytes());
+        Ok(t)
+    }
+
     /// A new buffer with `b`'s value on every replica (through the host: the [`Backend`]
     /// trait has no device copy).
     pub(crate) fn copy_buffer(&self, b: &B::Buffer) -> Result<B::Buffer> {

@@ -92,6 +92,9 @@ pub struct XlaExecutable {
     exe: pjrt::LoadedExecutable,
     inputs: Vec<(String, TensorType)>,
     outputs: Vec<TensorType>,
+    /// Which outputs the direct read applies to as plain arrays
+    /// ([`pjrt::Buffer::is_plain_array`]), learnt from the first execution's outputs.
+    plain_outputs: OnceLock<Box<[bool]>>,
     mlir: String,
 }
 
@@ -134,6 +137,7 @@ impl XlaExecutable {
                 .map(|i| (i.name.clone(), i.ty.clone()))
                 .collect(),
             outputs: graph.output_types(),
+            plain_outputs: OnceLock::new(),
             mlir,
         }
     }
@@ -441,12 +445,24 @@ impl XlaBackend {
                 exe.outputs.len()
             )));
         }
+        let plain = exe.plain_outputs.get_or_init(|| {
+            outs.iter()
+                .zip(&exe.outputs)
+                .map(|(b, ty)| b.is_plain_array(ty.shape.dims(), ty.dtype.size_in_bytes()))
+                .collect()
+        });
         Ok(outs
             .into_iter()
             .zip(&exe.outputs)
-            .map(|(buffer, ty)| XlaBuffer {
-                buffer,
-                ty: ty.clone(),
+            .zip(plain.iter())
+            .map(|((mut buffer, ty), &plain)| {
+                if plain {
+                    buffer.mark_plain();
+                }
+                XlaBuffer {
+                    buffer,
+                    ty: ty.clone(),
+                }
             })
             .collect())
     }
@@ -1305,6 +1321,17 @@ impl Backend for XlaBackend {
         let kind = crate::backend::eager::kind_of(b.ty.dtype);
         let t = b.buffer.to_tch_shaped(kind, b.ty.shape.dims())?;
         Ok(crate::Tensor::from_tch_with_type(t, b.ty.clone()))
+    }
+
+    /// [`Backend::to_tensor`] with fewer plugin calls for an execution's output
+    /// ([`pjrt::Buffer::into_tch_plain`]).
+    fn into_tensor(&self, b: XlaBuffer) -> Result<crate::Tensor> {
+        if b.ty.dtype == DType::U32 {
+            return self.to_tensor(&b);
+        }
+        let kind = crate::backend::eager::kind_of(b.ty.dtype);
+        let t = b.buffer.into_tch_plain(kind, b.ty.shape.dims())?;
+        Ok(crate::Tensor::from_tch_with_type(t, b.ty))
     }
 
     fn buffer_type(&self, b: &XlaBuffer) -> Result<TensorType> {

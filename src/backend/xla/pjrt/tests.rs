@@ -931,6 +931,88 @@ fn direct_read_of_executable_outputs() {
     }
 }
 
+/// An executable's outputs are checked once as plain arrays (`is_plain_array`, the layout,
+/// type and size checks of the direct read) and then copied without those checks or an
+/// external reference (`into_tch_plain`): the same values as the transfer path, for every
+/// output type, transposed results and a scalar; a buffer not marked, an empty one, a lent
+/// one, or one of a client without the direct read takes the checked path.
+#[test]
+fn plain_read_of_owned_outputs_matches_transfer() {
+    let _g = serial();
+    let c = client();
+    let module = "func.func public @main(%a: tensor<f64>, %b: tensor<2x3xi32>, %c: tensor<2x3x4xf32>) -> (tensor<2x3xi32>, tensor<f64>, tensor<3x2xi1>, tensor<4x2x3xf32>, tensor<0x3xf32>) {
+      %0 = stablehlo.add %b, %b : tensor<2x3xi32>
+      %1 = stablehlo.multiply %a, %a : tensor<f64>
+      %2 = stablehlo.compare GT, %b, %0 : (tensor<2x3xi32>, tensor<2x3xi32>) -> tensor<2x3xi1>
+      %3 = stablehlo.transpose %2, dims = [1, 0] : (tensor<2x3xi1>) -> tensor<3x2xi1>
+      %4 = stablehlo.transpose %c, dims = [2, 0, 1] : (tensor<2x3x4xf32>) -> tensor<4x2x3xf32>
+      %5 = stablehlo.slice %c [0:0, 0:3, 0:1] : (tensor<2x3x4xf32>) -> tensor<0x3x1xf32>
+      %6 = stablehlo.reshape %5 : (tensor<0x3x1xf32>) -> tensor<0x3xf32>
+      return %0, %1, %3, %4, %6 : tensor<2x3xi32>, tensor<f64>, tensor<3x2xi1>, tensor<4x2x3xf32>, tensor<0x3xf32>
+    }";
+    let exe = c.compile(module, &compile_options_bytes()).unwrap();
+    let a = c
+        .buffer_from_host(&3.0f64.to_ne_bytes(), ElementType::F64, &[], 0)
+        .unwrap();
+    let b_bytes: Vec<u8> = [-2i32, -1, 0, 1, 2, 3]
+        .iter()
+        .flat_map(|x| x.to_ne_bytes())
+        .collect();
+    let b = c
+        .buffer_from_host(&b_bytes, ElementType::S32, &[2, 3], 0)
+        .unwrap();
+    let c_vals: Vec<f32> = (0..24).map(|i| i as f32 * 0.37 - 2.0).collect();
+    let cc = c
+        .buffer_from_host(&f32_bytes(&c_vals), ElementType::F32, &[2, 3, 4], 0)
+        .unwrap();
+    let outputs: [(&[usize], tch::Kind); 5] = [
+        (&[2, 3], tch::Kind::Int),
+        (&[], tch::Kind::Double),
+        (&[3, 2], tch::Kind::Bool),
+        (&[4, 2, 3], tch::Kind::Float),
+        (&[0, 3], tch::Kind::Float),
+    ];
+    // The bytes of a contiguous tensor, through libtorch (as 8-bit integers).
+    let bytes_of = |t: &tch::Tensor| -> Vec<u8> {
+        let flat = t.reshape([-1]);
+        let u8s = if flat.kind() == tch::Kind::Bool {
+            flat.to_kind(tch::Kind::Uint8)
+        } else {
+            flat.view_dtype(tch::Kind::Uint8)
+        };
+        Vec::<u8>::try_from(&u8s).unwrap()
+    };
+    for marked in [true, false] {
+        let out = exe.execute(&[&a, &b, &cc]).unwrap();
+        for (mut buffer, (dims, kind)) in out.into_iter().zip(outputs) {
+            let size = kind.elt_size_in_bytes();
+            assert!(buffer.is_plain_array(dims, size), "{buffer:?}");
+            // Another shape or element size is not this array.
+            assert!(!buffer.is_plain_array(&[dims.iter().product::<usize>() + 1], size));
+            assert!(!buffer.is_plain_array(dims, size * 2));
+            let mut expected = vec![0u8; buffer.host_size().unwrap()];
+            buffer.to_host_via_transfer(&mut expected).unwrap();
+            if marked {
+                buffer.mark_plain();
+            }
+            let t = buffer.into_tch_plain(kind, dims).unwrap();
+            assert_eq!(t.size(), dims.iter().map(|&d| d as i64).collect::<Vec<_>>());
+            assert_eq!(t.kind(), kind);
+            assert_eq!(bytes_of(&t), expected, "{dims:?} {kind:?} marked {marked}");
+        }
+    }
+    // A lent buffer's storage is its tensor's: never plain (read with the external reference).
+    let t = tch::Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]);
+    let lent = c.lend_tch(&t, ElementType::F32, &[4], 0).unwrap();
+    assert!(!lent.is_plain_array(&[4], 4));
+    // Without the direct read nothing is plain.
+    let plain_c = Client::with_direct_read(&api(), false).unwrap();
+    let b = plain_c
+        .buffer_from_host(&f32_bytes(&[1.0, 2.0]), ElementType::F32, &[2], 0)
+        .unwrap();
+    assert!(!b.is_plain_array(&[2], 4));
+}
+
 #[test]
 fn direct_read_of_a_donated_buffer_is_an_error() {
     let _g = serial();
