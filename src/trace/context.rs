@@ -10,7 +10,6 @@ use crate::error::{Error, Result};
 use crate::ir::{Graph, GraphSize, InputKind, Literal, NodeId, Op, TensorType};
 use smallvec::SmallVec;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What a graph input of a traced function is bound to.
@@ -41,7 +40,7 @@ pub(crate) struct TraceCtx {
     expect: Option<Expect>,
     bindings: Vec<Binding>,
     /// The node holding each variable's current value: its input, or what it was assigned.
-    pub(crate) lifted: foldhash::HashMap<u64, NodeId>,
+    pub(crate) lifted: Lifted,
     /// Variables assigned during the trace (last assignment wins), in first-assignment order.
     pub(crate) assigns: Vec<(Tensor, NodeId)>,
     pub(crate) rng_key: Option<NodeId>,
@@ -53,6 +52,16 @@ thread_local! {
 }
 
 static NEXT_TRACE: AtomicU64 = AtomicU64::new(1);
+
+/// A trace's map from variable id to the node holding its value.
+pub(crate) type Lifted = foldhash::HashMap<u64, NodeId>;
+
+/// Storage a trace that repeated an earlier one did not keep, for the next trace: its graph
+/// (unused) and its variable map (emptied), so a repeat allocates neither.
+pub(crate) struct Spare {
+    graph: Graph,
+    lifted: Lifted,
+}
 
 /// Is a trace active on this thread?
 pub fn is_tracing() -> bool {
@@ -189,8 +198,9 @@ impl Expect {
 }
 
 impl TraceCtx {
-    /// A context tracing into `graph` (empty), checked against `expect` if given.
-    fn new(graph: Graph, expect: Option<Traced>) -> Self {
+    /// A context tracing into `graph` (empty), with `lifted` (empty) as its variable map,
+    /// checked against `expect` if given.
+    fn new(graph: Graph, mut lifted: Lifted, expect: Option<Traced>) -> Self {
         let num_inputs = match &expect {
             Some(t) => t.graph.inputs().len(),
             None => graph.capacity().inputs,
@@ -204,13 +214,14 @@ impl TraceCtx {
             inputs: 0,
         });
         let repeat = expect.as_ref().is_some_and(|e| e.following);
+        lifted.reserve(num_inputs);
         TraceCtx {
             id: NEXT_TRACE.fetch_add(1, Ordering::Relaxed),
             graph,
             expect,
             // A repeat records no binding; a trace that diverges allocates then.
             bindings: Vec::with_capacity(if repeat { 0 } else { num_inputs }),
-            lifted: HashMap::with_capacity_and_hasher(num_inputs, Default::default()),
+            lifted,
             assigns: Vec::new(),
             rng_key: None,
             rng_draws: 0,
@@ -386,7 +397,11 @@ impl Traced {
 /// latest trace's size (growing it step by step took a quarter of the LinearModel's trace).
 pub(crate) struct LatestTraces<T> {
     by_signature: foldhash::HashMap<Vec<TensorType>, (Traced, T)>,
-    spare: Option<Graph>,
+    /// The entry of the signature traced last, kept out of `by_signature` (a signature is in
+    /// one of the two): a function called with the same signature call after call finds it
+    /// without hashing the signature twice a call.
+    last: Option<(Vec<TensorType>, Traced, T)>,
+    spare: Option<Spare>,
     /// The size of the latest trace, which a trace without spare storage starts with room for.
     last_size: GraphSize,
 }
@@ -403,6 +418,7 @@ impl<T: Clone> LatestTraces<T> {
     pub(crate) fn new() -> Self {
         LatestTraces {
             by_signature: Default::default(),
+            last: None,
             spare: None,
             last_size: GraphSize::default(),
         }
@@ -413,23 +429,24 @@ impl<T: Clone> LatestTraces<T> {
     where
         F: FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
     {
-        let storage = self
-            .spare
-            .take()
-            .unwrap_or_else(|| Graph::with_capacity(self.last_size));
+        let storage = self.spare.take().unwrap_or_else(|| Spare {
+            graph: Graph::with_capacity(self.last_size),
+            lifted: Lifted::default(),
+        });
         // The latest trace moves into the trace context (tensors are not `Sync`, so it cannot
-        // be shared) and back into the map with its key: no allocation. If `f` panics the
-        // entry is gone, and the next trace is prepared as a new one.
-        let (key, expect, value) = match self.by_signature.remove_entry(signature) {
-            Some((key, (traced, value))) => (Some(key), Some(traced), Some(value)),
+        // be shared) and back with its key, as the last entry: no allocation. If `f` panics
+        // the entry is gone, and the next trace is prepared as a new one.
+        let (key, expect, value) = match self.take_entry(signature) {
+            Some((key, traced, value)) => (Some(key), Some(traced), Some(value)),
             None => (None, None, None),
         };
         let (checked, expect) = trace_checked(signature, storage, expect, f);
         if let (Some(key), Some(traced), Some(value)) = (key, expect, value.clone()) {
-            self.by_signature.insert(key, (traced, value));
+            self.last = Some((key, traced, value));
         }
         match checked? {
-            Checked::Repeat(storage) => {
+            Checked::Repeat(mut storage) => {
+                storage.lifted.clear();
                 self.spare = Some(storage);
                 // Only a trace checked against an earlier one repeats it.
                 value.map(Retrace::Repeat).ok_or_else(|| {
@@ -445,8 +462,32 @@ impl<T: Clone> LatestTraces<T> {
 
     /// Records `traced` as `signature`'s latest trace, prepared as `value`.
     pub(crate) fn insert(&mut self, signature: &[TensorType], traced: Traced, value: T) {
+        drop(self.take_entry(signature));
+        self.stash_last();
+        self.last = Some((signature.to_vec(), traced, value));
+    }
+
+    /// Takes `signature`'s entry out of the last slot or the map; the last slot's entry of
+    /// another signature goes back into the map.
+    fn take_entry(&mut self, signature: &[TensorType]) -> Option<(Vec<TensorType>, Traced, T)> {
+        if self
+            .last
+            .as_ref()
+            .is_some_and(|(key, ..)| key[..] == *signature)
+        {
+            return self.last.take();
+        }
+        self.stash_last();
         self.by_signature
-            .insert(signature.to_vec(), (traced, value));
+            .remove_entry(signature)
+            .map(|(key, (traced, value))| (key, traced, value))
+    }
+
+    /// Moves the last slot's entry into the map.
+    fn stash_last(&mut self) {
+        if let Some((key, traced, value)) = self.last.take() {
+            self.by_signature.insert(key, (traced, value));
+        }
     }
 }
 
@@ -469,7 +510,11 @@ pub fn trace<F>(inputs: &[TensorType], f: F) -> Result<Traced>
 where
     F: FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
 {
-    match trace_checked(inputs, Graph::new(), None, f).0? {
+    let storage = Spare {
+        graph: Graph::new(),
+        lifted: Lifted::default(),
+    };
+    match trace_checked(inputs, storage, None, f).0? {
         Checked::New(traced) => Ok(traced),
         Checked::Repeat(_) => Err(Error::Internal(
             "a trace without an earlier one repeated it".into(),
@@ -478,27 +523,28 @@ where
 }
 
 enum Checked {
-    /// The trace repeated the expected one; the storage it did not use.
-    Repeat(Graph),
+    /// The trace repeated the expected one; the storage it did not keep.
+    Repeat(Spare),
     New(Traced),
 }
 
-/// [`trace`] into `graph` (empty), checked against `expect` as it goes (see [`Expect`]);
+/// [`trace`] into `storage` (empty), checked against `expect` as it goes (see [`Expect`]);
 /// gives `expect` back (unless `f` panics).
 fn trace_checked<F>(
     inputs: &[TensorType],
-    graph: Graph,
+    storage: Spare,
     expect: Option<Traced>,
     f: F,
 ) -> (Result<Checked>, Option<Traced>)
 where
     F: FnOnce(&[Tensor]) -> Result<Vec<Tensor>>,
 {
-    if !graph.is_empty() || !graph.inputs().is_empty() {
+    let Spare { graph, lifted } = storage;
+    if !graph.is_empty() || !graph.inputs().is_empty() || !lifted.is_empty() {
         let e = Error::Internal("a trace must start from an empty graph".into());
         return (Err(e), expect);
     }
-    let mut ctx = TraceCtx::new(graph, expect);
+    let mut ctx = TraceCtx::new(graph, lifted, expect);
     let args: SmallVec<[Tensor; 4]> = inputs
         .iter()
         .enumerate()
@@ -544,7 +590,10 @@ where
     });
     let expect = ctx.expect.take().map(|e| e.traced);
     let checked = match outputs {
-        Ok(None) => Ok(Checked::Repeat(ctx.graph)),
+        Ok(None) => Ok(Checked::Repeat(Spare {
+            graph: ctx.graph,
+            lifted: ctx.lifted,
+        })),
         Ok(Some(outputs)) => finish(ctx, outputs).map(Checked::New),
         Err(e) => Err(e),
     };
@@ -641,12 +690,27 @@ mod tests {
         latest.insert(&sig, first, 7);
         assert_eq!(repeat(latest.trace(&sig, exp)?), Some(7));
         let spare = latest.spare.as_ref().expect("the repeat's storage is kept");
-        assert!(spare.is_empty() && spare.capacity().nodes >= size.nodes);
+        assert!(spare.graph.is_empty() && spare.graph.capacity().nodes >= size.nodes);
+        assert!(spare.lifted.is_empty());
         let other = new_trace(latest.trace(&sig, |xs| Ok(vec![xs[0].sum_all()?]))?);
         assert!(other.same_program(&trace(&sig, |xs| Ok(vec![xs[0].sum_all()?]))?));
         let other_sig = [f32s(&[4])];
         new_trace(latest.trace(&other_sig, exp)?);
         assert_eq!(repeat(latest.trace(&sig, exp)?), Some(7));
+        // Signatures taking turns: each finds its own latest trace (in the last slot or the
+        // map, never both), variables read included.
+        let store = ParamStore::new();
+        let v = store.root().param("v", &[4], Init::Const(0.5))?;
+        let add_v = |xs: &[Tensor]| Ok(vec![xs[0].add(&v)?.sum_all()?]);
+        let t = new_trace(latest.trace(&other_sig, add_v)?);
+        latest.insert(&other_sig, t, 8);
+        for _ in 0..3 {
+            assert_eq!(repeat(latest.trace(&sig, exp)?), Some(7));
+            assert_eq!(repeat(latest.trace(&other_sig, add_v)?), Some(8));
+            assert_eq!(repeat(latest.trace(&other_sig, add_v)?), Some(8));
+            assert!(repeat(latest.trace(&other_sig, exp)?).is_none());
+            assert_eq!(latest.by_signature.len() + latest.last.iter().count(), 2);
+        }
         Ok(())
     }
 
