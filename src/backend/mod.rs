@@ -130,7 +130,7 @@ pub trait Backend: Send + Sync + 'static {
     /// [`Backend::to_tensor`] of a buffer the caller gives up (an execution's result that
     /// nothing else reads), which a backend may copy with fewer checks. The default copies
     /// it as `to_tensor` does.
-    fn into_tensor(&self, b: Self::Buffer) -> Result<crate::Tensor> {
+    fn to_tensor_owned(&self, b: Self::Buffer) -> Result<crate::Tensor> {
         self.to_tensor(&b)
     }
 

@@ -73,12 +73,12 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// [`Runtime::download_result`] of a buffer nothing else reads
-    /// ([`Backend::into_tensor`]).
+    /// ([`Backend::to_tensor_owned`]).
     pub(crate) fn download_result_owned(&self, b: B::Buffer) -> Result<Tensor> {
         if self.backend().replicas() != 1 {
             return self.download_result(&b);
         }
-        let t = self.backend().into_tensor(b)?;
+        let t = self.backend().to_tensor_owned(b)?;
         self.metrics.d2h(t.ty().size_in_bytes());
         Ok(t)
     }

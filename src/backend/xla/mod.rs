@@ -1325,7 +1325,7 @@ impl Backend for XlaBackend {
 
     /// [`Backend::to_tensor`] with fewer plugin calls for an execution's output
     /// ([`pjrt::Buffer::into_tch_plain`]).
-    fn into_tensor(&self, b: XlaBuffer) -> Result<crate::Tensor> {
+    fn to_tensor_owned(&self, b: XlaBuffer) -> Result<crate::Tensor> {
         if b.ty.dtype == DType::U32 {
             return self.to_tensor(&b);
         }
