@@ -1323,8 +1323,9 @@ impl Backend for XlaBackend {
         Ok(crate::Tensor::from_tch_with_type(t, b.ty.clone()))
     }
 
-    /// [`Backend::to_tensor`] with fewer plugin calls for an execution's output
-    /// ([`pjrt::Buffer::into_tch_plain`]).
+    /// [`Backend::to_tensor`] with fewer plugin calls for an execution's output: the
+    /// layout, type and dims of each of an executable's outputs are checked once, on its
+    /// first execution, and the owned buffer is read without an external reference.
     fn to_tensor_owned(&self, b: XlaBuffer) -> Result<crate::Tensor> {
         if b.ty.dtype == DType::U32 {
             return self.to_tensor(&b);
