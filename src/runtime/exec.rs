@@ -276,10 +276,11 @@ impl<B: Backend> Runtime<B> {
             };
             (outs, forwarded)
         };
-        // Count the device owners of each output, then download the host values: an output
-        // with no device owner is handed over to its download (which may then copy it with
-        // fewer checks).
+        // Count the owners of each output (device routes, and host routes), then download
+        // the host values: an output's last download, where no device route follows, is
+        // handed the buffer (and may then copy it with fewer checks).
         let mut uses: SmallVec<[usize; 8]> = smallvec::smallvec![0; outs.len()];
+        let mut downloads: SmallVec<[usize; 8]> = smallvec::smallvec![0; outs.len()];
         for (src, dest) in &step.routes {
             if let OutputSource::Output(j) = *src {
                 if j >= outs.len() {
@@ -289,21 +290,23 @@ impl<B: Backend> Runtime<B> {
                         outs.len()
                     )));
                 }
-                if !matches!(dest, Dest::Host(_)) {
-                    uses[j] += 1;
+                match dest {
+                    Dest::Host(_) => downloads[j] += 1,
+                    Dest::Temp(_) | Dest::Var(_) => uses[j] += 1,
                 }
             }
         }
         let mut outs: Vec<Option<B::Buffer>> = outs.into_iter().map(Some).collect();
         for (src, dest) in &step.routes {
             if let (OutputSource::Output(j), Dest::Host(k)) = (*src, *dest) {
-                let value = if uses[j] == 0 {
+                downloads[j] -= 1;
+                let value = if uses[j] == 0 && downloads[j] == 0 {
                     outs[j].take().map(|b| self.download_result_owned(b))
                 } else {
                     outs[j].as_ref().map(|b| self.download_result(b))
                 };
                 hosts[k] = Some(value.ok_or_else(|| {
-                    Error::Internal(format!("{}: output {j} downloaded twice", step.name))
+                    Error::Internal(format!("{}: output {j} was moved before", step.name))
                 })??);
             }
         }
