@@ -462,8 +462,8 @@ impl<T: Clone> LatestTraces<T> {
 
     /// Records `traced` as `signature`'s latest trace, prepared as `value`.
     pub(crate) fn insert(&mut self, signature: &[TensorType], traced: Traced, value: T) {
+        // Out of the slot or the map (and the slot emptied): one entry per signature.
         drop(self.take_entry(signature));
-        self.stash_last();
         self.last = Some((signature.to_vec(), traced, value));
     }
 

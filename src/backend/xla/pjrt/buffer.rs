@@ -485,30 +485,8 @@ impl Buffer {
     /// [`Buffer::to_tch`] of a buffer whose dims are `dims` (as the plugin gave them).
     fn to_tch_of(&self, kind: tch::Kind, dims: &[i64]) -> Result<tch::Tensor> {
         let size = host_byte_size(self.element_type()?, dims)?;
-        let t = crate::backend::xla::kernels::onednn::empty_cpu(kind, dims)?;
-        // `empty` of `dims` holds their product of elements (counted here: tch's `numel`
-        // fetches the sizes into a new `Vec` through two FFI calls).
-        let numel = dims
-            .iter()
-            .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
-        if numel.and_then(|n| n.checked_mul(kind.elt_size_in_bytes())) != Some(size) {
-            return Err(Error::Invalid(format!(
-                "to_tch: a {kind:?} tensor of dims {dims:?} does not hold the buffer's {size} bytes"
-            )));
-        }
-        if size > 0 {
-            let p = t.data_ptr().cast::<u8>();
-            if p.is_null() {
-                return Err(Error::Invalid("to_tch: libtorch gave no storage".into()));
-            }
-            // SAFETY: `t` is a new contiguous CPU tensor (`empty`) owning `size` bytes at `p`;
-            // nothing else refers to its storage while the slice lives (it is dropped before
-            // `t` is returned).
-            let dst = unsafe { std::slice::from_raw_parts_mut(p, size) };
-            // `size` is the buffer's host size: from its element type and dims just above.
-            self.to_host_sized(dst, dims.len())?;
-        }
-        Ok(t)
+        // `size` is the buffer's host size: from its element type and dims just above.
+        new_tch_filled(kind, dims, size, |dst| self.to_host_sized(dst, dims.len()))
     }
 
     /// Whether the direct read applies to this buffer as a dense row-major array of `dims`
@@ -538,20 +516,8 @@ impl Buffer {
         {
             return false;
         }
-        let mut layout = sys::PJRT_Buffer_GetMemoryLayout_Args::new();
-        layout.buffer = self.raw();
-        // SAFETY: live buffer, valid args struct.
-        let err = unsafe { (direct.get_memory_layout)(&mut layout) };
-        if self
-            .client
-            .api()
-            .check("PJRT_Buffer_GetMemoryLayout", err)
-            .is_err()
-            || !is_dense_row_major(&layout.layout, dims.len())
-        {
-            return false;
-        }
-        host_byte_size(ty, &got).ok() == self.on_device_size().ok()
+        direct.layout_is_dense(self, dims.len())
+            && host_byte_size(ty, &got).ok() == self.on_device_size().ok()
     }
 
     /// Marks this buffer as an output that [`Buffer::is_plain_array`] holds for (as it did
@@ -567,46 +533,59 @@ impl Buffer {
     /// [`DirectRead`], point 4). The LinearModel's result: 3 plugin calls besides the
     /// ready event's and 3 of the plugin's allocations, against 9 and 8 through
     /// [`Buffer::to_tch_shaped`].
-    pub(crate) fn into_tch_plain(self, kind: tch::Kind, shape: &[usize]) -> Result<tch::Tensor> {
-        let (Some(direct), true, None) = (&self.client.direct_read, self.plain, &self.lease) else {
-            return self.to_tch_shaped(kind, shape);
-        };
-        let mut numel = 1usize;
-        for &d in shape {
-            numel = numel
-                .checked_mul(d)
-                .ok_or_else(|| Error::Invalid(format!("to_tch: shape {shape:?} overflows")))?;
-        }
-        let size = numel
-            .checked_mul(kind.elt_size_in_bytes())
-            .ok_or_else(|| Error::Invalid(format!("to_tch: shape {shape:?} overflows")))?;
-        // Defined (point 3); an error (failed computation) is the fallback's to report.
-        if size == 0 || self.ready().is_err() || self.on_device_size().ok() != Some(size) {
+    pub(crate) fn into_tch_plain(
+        mut self,
+        kind: tch::Kind,
+        shape: &[usize],
+    ) -> Result<tch::Tensor> {
+        if !self.plain || self.lease.is_some() {
             return self.to_tch_shaped(kind, shape);
         }
-        let Some(address) = direct.address(&self) else {
-            return self.to_tch_shaped(kind, shape);
-        };
         let dims: SmallVec<[i64; 8]> = shape.iter().map(|&d| d as i64).collect();
-        let t = crate::backend::xla::kernels::onednn::empty_cpu(kind, &dims)?;
-        let p = t.data_ptr().cast::<u8>();
-        if p.is_null() {
-            return Err(Error::Invalid("to_tch: libtorch gave no storage".into()));
+        let size = shape
+            .iter()
+            .try_fold(kind.elt_size_in_bytes(), |n, &d| n.checked_mul(d))
+            .ok_or_else(|| Error::Invalid(format!("to_tch: shape {shape:?} overflows")))?;
+        new_tch_filled(kind, &dims, size, |dst| {
+            if self.read_plain(dst) {
+                Ok(())
+            } else {
+                // Any error (a failed computation, a donated buffer) is the checked path's
+                // to report.
+                self.to_host_sized(dst, shape.len())
+            }
+        })
+    }
+
+    /// Copies this buffer, marked plain, into `dst` (non-empty) straight from its memory:
+    /// `false`, with `dst` unspecified, where a step fails. [`DirectRead::read`] without its
+    /// layout check (made once for the executable's output) and without an external
+    /// reference: `&mut self` is the only handle on the buffer.
+    fn read_plain(&mut self, dst: &mut [u8]) -> bool {
+        let Some(direct) = &self.client.direct_read else {
+            return false;
+        };
+        // Defined (point 3 of `DirectRead`), then sized (point 2), then the address (the
+        // storage may only exist once the computation ran).
+        if self.ready().is_err() || self.on_device_size().ok() != Some(dst.len()) {
+            return false;
         }
+        let Some(address) = direct.address(self) else {
+            return false;
+        };
         // SAFETY: the source is host memory of this process (point 1 of `DirectRead`: a
-        // direct read exists only for CPU clients) of exactly `size` bytes (point 2: the
+        // direct read exists only for CPU clients) of exactly `dst.len()` bytes (point 2: the
         // on-device size just checked), written and synchronized with (point 3: the ready
         // event awaited above), and kept allocated and unchanged during the copy (point 4,
         // without an external reference: the C API ties the address's validity to one
-        // because another holder of the buffer could delete or donate it meanwhile; this
-        // function owns the only handle, and the storage is the plugin's own, not a lease's,
-        // allocated for the buffer's lifetime). The destination is a new contiguous tensor of
-        // `size` bytes (`empty` of `shape` for `kind`) that nothing else refers to yet; the
-        // two cannot overlap.
+        // because another holder of the buffer could delete or donate it meanwhile; `&mut
+        // self` is the only handle, and the storage is the plugin's own, not a lease's
+        // (`into_tch_plain` checks), allocated for the buffer's lifetime). `dst` is a unique
+        // borrow of other memory: the two cannot overlap.
         unsafe {
-            ptr::copy_nonoverlapping(address as *const u8, p, size);
+            ptr::copy_nonoverlapping(address as *const u8, dst.as_mut_ptr(), dst.len());
         }
-        Ok(t)
+        true
     }
 
     /// Blocks until the buffer's contents are computed (`PJRT_Buffer_ReadyEvent`).
@@ -765,16 +744,7 @@ impl DirectRead {
     fn read(&self, buffer: &Buffer, rank: usize, dst: &mut [u8]) -> bool {
         let api = buffer.client.api();
         let raw = buffer.raw();
-
-        // Layout: dense row-major, nothing else.
-        let mut layout = sys::PJRT_Buffer_GetMemoryLayout_Args::new();
-        layout.buffer = raw;
-        // SAFETY: live buffer, valid args struct.
-        let err = unsafe { (self.get_memory_layout)(&mut layout) };
-        if api.check("PJRT_Buffer_GetMemoryLayout", err).is_err() {
-            return false;
-        }
-        if !is_dense_row_major(&layout.layout, rank) {
+        if !self.layout_is_dense(buffer, rank) {
             return false;
         }
         // Size (soundness point 2 of `DirectRead`).
@@ -814,6 +784,56 @@ impl DirectRead {
         }
         true
     }
+}
+
+impl DirectRead {
+    /// Whether `buffer`'s layout is the dense row-major one of a host array of rank `rank`
+    /// (`false` also where the plugin fails the query).
+    fn layout_is_dense(&self, buffer: &Buffer, rank: usize) -> bool {
+        let mut layout = sys::PJRT_Buffer_GetMemoryLayout_Args::new();
+        layout.buffer = buffer.raw();
+        // SAFETY: live buffer, valid args struct.
+        let err = unsafe { (self.get_memory_layout)(&mut layout) };
+        buffer
+            .client
+            .api()
+            .check("PJRT_Buffer_GetMemoryLayout", err)
+            .is_ok()
+            && is_dense_row_major(&layout.layout, rank)
+    }
+}
+
+/// A new contiguous CPU tensor of `kind` and `dims` holding `size` bytes, written by `fill`
+/// (not zero-filled first; see [`Buffer::to_tch`]).
+fn new_tch_filled(
+    kind: tch::Kind,
+    dims: &[i64],
+    size: usize,
+    fill: impl FnOnce(&mut [u8]) -> Result<()>,
+) -> Result<tch::Tensor> {
+    let t = crate::backend::xla::kernels::onednn::empty_cpu(kind, dims)?;
+    // `empty` of `dims` holds their product of elements (counted here: tch's `numel` fetches
+    // the sizes into a new `Vec` through two FFI calls).
+    let numel = dims
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
+    if numel.and_then(|n| n.checked_mul(kind.elt_size_in_bytes())) != Some(size) {
+        return Err(Error::Invalid(format!(
+            "to_tch: a {kind:?} tensor of dims {dims:?} does not hold the buffer's {size} bytes"
+        )));
+    }
+    if size > 0 {
+        let p = t.data_ptr().cast::<u8>();
+        if p.is_null() {
+            return Err(Error::Invalid("to_tch: libtorch gave no storage".into()));
+        }
+        // SAFETY: `t` is a new contiguous CPU tensor (`empty`) owning `size` bytes at `p`;
+        // nothing else refers to its storage while the slice lives (it is dropped before `t`
+        // is returned).
+        let dst = unsafe { std::slice::from_raw_parts_mut(p, size) };
+        fill(dst)?;
+    }
+    Ok(t)
 }
 
 /// Whether a buffer layout is the dense row-major one of a host array of rank `rank`.
